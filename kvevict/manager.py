@@ -1,0 +1,704 @@
+"""`KVCacheManager`: the only place that mutates cache state.
+
+It composes a `BlockPool` (physical blocks and ref counts), a `PrefixTree` (cached blocks by
+chained hash) and a `Policy` (which candidate to evict), and keeps them consistent:
+
+- ``begin(request)``: look up the longest cached prefix, take a reference on every hit block,
+  allocate the rest (evicting through the policy when the pool is full), cache the prompt's
+  full blocks.
+- ``append(seq_id, tokens)``: grow a running sequence; each block that fills up is hashed and
+  cached (decode appends are not hits).
+- ``finish(seq_id)`` / ``preempt(seq_id)``: release the blocks tail first; cached ones become
+  candidates, the partial tail is freed. ``resume(seq_id)`` brings a preempted one back.
+- ``pin(prefix, until)`` / ``unpin(prefix)``: explicit retention, honoured for every policy:
+  a pinned candidate is evicted only when no other candidate exists.
+- ``lookup(tokens)``: the cached prefix length, no side effects.
+- ``stats`` and ``check()`` (every invariant; it holds after any exception).
+
+Time comes from the injected ``clock`` (a callable returning seconds).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvevict.errors import ConfigError, KVEvictError, OutOfBlocks, PolicyError
+from kvevict.policies.base import Policy, make_policy
+from kvevict.pool import BlockPool
+from kvevict.prefix import ROOT_HASH, PrefixTree, block_hashes
+from kvevict.types import BlockInfo, ManualClock, Request, as_token_array
+
+__all__ = ["CacheStats", "InvariantError", "KVCacheManager", "LookupResult", "Sequence"]
+
+
+class InvariantError(KVEvictError, AssertionError):
+    """`KVCacheManager.check()` found the cache state inconsistent (a bug, never user error)."""
+
+
+@attrs.define
+class CacheStats:
+    """Counters since the manager was built. Token counts use vLLM's metric names."""
+
+    prefix_cache_queries: int = 0  #: prompt tokens looked up (vLLM name)
+    prefix_cache_hits: int = 0  #: of those, tokens found cached (vLLM name)
+    block_queries: int = 0  #: cacheable prompt blocks looked up
+    block_hits: int = 0  #: of those, blocks found cached
+    requests: int = 0  #: sequences begun (resumes included)
+    finished: int = 0
+    preemptions: int = 0
+    allocated_blocks: int = 0  #: blocks taken from the pool
+    inserted_blocks: int = 0  #: blocks that became cached
+    evictions: int = 0
+    evictions_by_class: dict[str, int] = attrs.field(factory=dict)
+    peak_blocks_used: int = 0
+
+    @property
+    def hit_ratio(self) -> float:
+        """Token hit ratio ``prefix_cache_hits / prefix_cache_queries`` (0 when none)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries \
+            else 0.0
+
+    @property
+    def block_hit_ratio(self) -> float:
+        """``block_hits / block_queries`` (0 when none)."""
+        return self.block_hits / self.block_queries if self.block_queries else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = attrs.asdict(self)
+        out["hit_ratio"] = self.hit_ratio
+        out["block_hit_ratio"] = self.block_hit_ratio
+        return out
+
+
+@attrs.frozen
+class LookupResult:
+    """What a prefix lookup found: the cached prefix, in tokens and blocks."""
+
+    num_cached_tokens: int
+    num_cached_blocks: int
+    block_ids: tuple[int, ...]
+
+
+class Sequence:
+    """A running (or preempted) sequence: its request, tokens and block table.
+
+    ``block_table[i]`` is the pool block holding tokens ``[i * block_size, (i+1) *
+    block_size)``. Read it; only the manager changes it.
+    """
+
+    __slots__ = ("seq_id", "request", "block_table", "num_tokens", "num_cached_tokens",
+                 "status", "_hashes", "_prompt", "_generated", "_tail")
+
+    def __init__(self, request: Request) -> None:
+        self.seq_id = request.request_id
+        self.request = request
+        self.block_table: list[int] = []
+        self.num_tokens = 0
+        #: prompt tokens found cached at the last begin / resume
+        self.num_cached_tokens = 0
+        self.status = "running"
+        self._hashes: list[Any] = []  # hash of each cached full block, in order
+        self._prompt = request.tokens
+        self._generated: list[int] = []
+        self._tail: list[int] = []  # tokens after the last full block (token mode)
+
+    @property
+    def session_id(self) -> Any:
+        return self.request.session_id
+
+    @property
+    def tokens(self) -> list[int] | None:
+        """All token ids so far (prompt + appended), or None for a hash-only request."""
+        if self._prompt is None:
+            return None
+        return self._prompt.tolist() + self._generated
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id!r}, status={self.status}, tokens={self.num_tokens}, "
+                f"blocks={len(self.block_table)}, cached={self.num_cached_tokens})")
+
+
+class KVCacheManager:
+    """Paged KV-cache residency with prefix caching and a pluggable eviction policy.
+
+    Args:
+        pool: the `BlockPool` (tensor-backed or metadata-only).
+        policy: a `Policy` instance or a registered name (``"lru"``, ``"lfu"``, ...).
+        clock: callable returning the current time in seconds (default: a `ManualClock` at 0).
+        extra_key: mixed into every block hash (model / adapter id): caches with different
+            keys never share blocks.
+    """
+
+    def __init__(self, pool: BlockPool, policy: Policy | str = "lru", *,
+                 clock: Callable[[], float] | None = None, extra_key: Any = None,
+                 **policy_params: Any) -> None:
+        if not isinstance(pool, BlockPool):
+            raise ConfigError(f"pool must be a BlockPool, got {type(pool).__name__}")
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.policy = make_policy(policy, **policy_params)
+        if clock is not None and not callable(clock):
+            raise ConfigError("clock must be a callable returning seconds")
+        self.clock: Callable[[], float] = clock if clock is not None else ManualClock()
+        self.extra_key = extra_key
+        block_hashes([], 1, extra_key)  # validates extra_key
+        self.tree = PrefixTree()
+        self.stats = CacheStats()
+        self._seqs: dict[Any, Sequence] = {}
+        self._records: dict[int, BlockInfo] = {}  # block id -> record, cached blocks only
+        self._num_evictable = 0  # cached blocks with ref count 0
+        self._pins: dict[int, float] = {}  # block id -> pinned until (inf: until unpinned)
+        self._pin_heap: list[tuple[float, int]] = []
+        self._withheld: dict[int, BlockInfo] = {}  # pinned candidates kept from the policy
+        self._tick = 0
+        self._last_now = -math.inf
+        self._eviction_listeners: list[Callable[[BlockInfo, float], None]] = []
+
+    # -- time ------------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        now = float(self.clock())
+        if now < self._last_now:
+            raise ConfigError(f"the clock went backwards: {now} after {self._last_now}")
+        self._last_now = now
+        return now
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks holding nothing."""
+        return self.pool.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix tree."""
+        return len(self.tree)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no running sequence uses (all evictable, leaves first)."""
+        return self._num_evictable
+
+    @property
+    def num_candidates(self) -> int:
+        """Current candidates (cached, ref 0, leaf), pinned ones included."""
+        return len(self.tree.candidates)
+
+    def sequence(self, seq_id: Any) -> Sequence:
+        """The live sequence with this id."""
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise ConfigError(f"no live sequence with id {seq_id!r}") from None
+
+    @property
+    def sequences(self) -> dict[Any, Sequence]:
+        """Live sequences (running and preempted) by id (a copy)."""
+        return dict(self._seqs)
+
+    def block(self, block_id: int) -> BlockInfo | None:
+        """The record of a cached block, or None if the block is not cached."""
+        return self._records.get(block_id)
+
+    def _prefix_hashes(self, prefix: Any) -> list[Any]:
+        if isinstance(prefix, Request):
+            if prefix.block_hashes is not None:
+                return list(prefix.block_hashes)
+            prefix = prefix.tokens
+        return block_hashes(prefix, self.block_size, self.extra_key)
+
+    def lookup(self, prefix: Any) -> LookupResult:
+        """Longest cached prefix of ``prefix`` (token ids or a `Request`); no side effects."""
+        hit = self.tree.longest_prefix(self._prefix_hashes(prefix))
+        return LookupResult(len(hit) * self.block_size, len(hit),
+                            tuple(b._id for b in hit))
+
+    # -- begin / resume --------------------------------------------------------------------
+
+    def begin(self, request: Request) -> Sequence:
+        """Start a request: reuse its cached prefix, allocate the rest, cache its full blocks.
+
+        Raises `OutOfBlocks` (state unchanged) when even evicting every candidate would not
+        free enough blocks.
+        """
+        if not isinstance(request, Request):
+            raise ConfigError(f"begin() takes a Request, got {type(request).__name__}")
+        if request.request_id in self._seqs:
+            raise ConfigError(f"a sequence with id {request.request_id!r} is already live")
+        if request.prompt_len == 0:
+            raise ConfigError(f"request {request.request_id!r} has an empty prompt")
+        seq = Sequence(request)
+        if request.block_hashes is not None:
+            hashes = list(request.block_hashes)
+            max_blocks = -(-request.prompt_len // self.block_size)
+            if len(hashes) > max_blocks:
+                raise ConfigError(
+                    f"request {request.request_id!r}: {len(hashes)} block hashes for "
+                    f"{request.prompt_len} tokens; expected at most {max_blocks} blocks of "
+                    f"{self.block_size}"
+                )
+            if len(set(hashes)) != len(hashes):
+                raise ConfigError(f"request {request.request_id!r}: block_hashes repeat an id; "
+                                  "expected a prefix-chained list of distinct block ids")
+        else:
+            hashes = block_hashes(request.tokens, self.block_size, self.extra_key)
+            seq._tail = request.tokens[len(hashes) * self.block_size:].tolist()
+        self._start(seq, hashes, request.prompt_len)
+        self._seqs[seq.seq_id] = seq
+        return seq
+
+    def resume(self, seq_id: Any) -> Sequence:
+        """Bring a preempted sequence back: look up its tokens again, allocate the rest."""
+        seq = self.sequence(seq_id)
+        if seq.status != "preempted":
+            raise ConfigError(f"sequence {seq_id!r} is {seq.status}, not preempted")
+        if seq._prompt is None:
+            hashes = list(seq.request.block_hashes)  # appended blocks of a hash-only
+        else:                                        # request were never cached
+            hashes = list(seq._hashes)
+        self._start(seq, hashes, seq.num_tokens)
+        seq.status = "running"
+        return seq
+
+    def _start(self, seq: Sequence, hashes: list[Any], num_tokens: int) -> None:
+        bs = self.block_size
+        hit = self.tree.longest_prefix(hashes)
+        if seq._prompt is None:  # hash ids from a trace: check they are chained
+            parent = ROOT_HASH
+            for h, block in zip(hashes, hit):
+                if block._parent != parent:
+                    raise ConfigError(
+                        f"request {seq.seq_id!r}: block id {h!r} is cached under parent "
+                        f"{block._parent!r} but follows {parent!r} here; block_hashes must "
+                        "be prefix-chained"
+                    )
+                parent = h
+            tree = self.tree
+            for h in hashes[len(hit):]:
+                if h in tree:
+                    raise ConfigError(
+                        f"request {seq.seq_id!r}: block id {h!r} is cached but an earlier "
+                        "id of this request is not; block_hashes must be prefix-chained"
+                    )
+        total = -(-num_tokens // bs)
+        need = total - len(hit)
+        hit_free = sum(1 for b in hit if b._ref_count == 0)
+        available = self.pool.num_free + self._num_evictable - hit_free
+        if need > available:
+            raise OutOfBlocks(
+                f"request {seq.seq_id!r} needs {need} new blocks but only {available} can be "
+                f"freed ({self.pool.num_free} free, {self._num_evictable - hit_free} evictable "
+                f"cached); the rest is in use by running sequences",
+                needed=need, available=available,
+            )
+        now = self._now()
+        pool = self.pool
+        for block in hit:  # hold the hit blocks so eviction cannot take them
+            self._acquire(block, now)
+        try:
+            self._evict(need - pool.num_free, now)
+        except Exception:
+            for block in reversed(hit):
+                self._release_cached(block, now, touch=False)
+            raise
+        session = seq.request.session_id
+        retention = seq.request.retention
+        for block in hit:
+            self._tick += 1
+            block._last_access = now
+            block._last_access_tick = self._tick
+            block._hit_count += 1
+            block._sharers[session] = now
+            block._last_hit_session = session
+            if retention is not None:
+                block._retention = retention
+            self.policy.on_hit(block, now)
+        table = [b._id for b in hit]
+        for _ in range(need):
+            table.append(pool.allocate())
+        self.stats.allocated_blocks += need
+        seq.block_table = table
+        seq.num_tokens = num_tokens
+        seq._hashes = [b._hash for b in hit]
+        for depth in range(len(hit), len(hashes)):
+            self._cache_block(seq, depth, hashes[depth], now, "prefill")
+        cached_tokens = min(len(hit) * bs, num_tokens)
+        seq.num_cached_tokens = cached_tokens
+        stats = self.stats
+        stats.requests += 1
+        stats.prefix_cache_queries += num_tokens
+        stats.prefix_cache_hits += cached_tokens
+        stats.block_queries += len(hashes)
+        stats.block_hits += len(hit)
+        used = pool.num_used
+        if used > stats.peak_blocks_used:
+            stats.peak_blocks_used = used
+
+    # -- append ----------------------------------------------------------------------------
+
+    def append(self, seq_id: Any, tokens: Any) -> list[int]:
+        """Append tokens to a running sequence; return the ids of blocks it newly allocated.
+
+        ``tokens`` are token ids (1-D ints). For a request given as ``block_hashes`` (no
+        token ids) pass a count instead; its appended blocks are not cached.
+        Raises `OutOfBlocks` (state unchanged) when the new blocks cannot be freed.
+        """
+        seq = self.sequence(seq_id)
+        if seq.status != "running":
+            raise ConfigError(f"sequence {seq_id!r} is {seq.status}; resume it before appending")
+        if seq._prompt is None:
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+                raise ConfigError(
+                    f"sequence {seq_id!r} was given as block hashes; append a token count "
+                    f"(a non-negative int), got {type(tokens).__name__}"
+                )
+            n, new_tokens = tokens, None
+        else:
+            new_tokens = as_token_array(tokens).tolist()
+            n = len(new_tokens)
+        bs = self.block_size
+        need = -(-(seq.num_tokens + n) // bs) - len(seq.block_table)
+        if need > self.pool.num_free + self._num_evictable:
+            raise OutOfBlocks(
+                f"sequence {seq_id!r} needs {need} more blocks but only "
+                f"{self.pool.num_free + self._num_evictable} can be freed",
+                needed=need, available=self.pool.num_free + self._num_evictable,
+            )
+        now = self._now()
+        if need > 0:
+            self._evict(need - self.pool.num_free, now)
+        new_ids = [self.pool.allocate() for _ in range(max(need, 0))]
+        seq.block_table.extend(new_ids)
+        self.stats.allocated_blocks += len(new_ids)
+        seq.num_tokens += n
+        if new_tokens is not None:
+            seq._generated.extend(new_tokens)
+            tail = seq._tail
+            tail.extend(new_tokens)
+            while len(tail) >= bs:
+                depth = len(seq._hashes)
+                parent = seq._hashes[-1] if seq._hashes else ROOT_HASH
+                full, seq._tail = tail[:bs], tail[bs:]
+                tail = seq._tail
+                h = block_hashes(full, bs, self.extra_key, parent)[0]
+                self._cache_block(seq, depth, h, now, "decode")
+        used = self.pool.num_used
+        if used > self.stats.peak_blocks_used:
+            self.stats.peak_blocks_used = used
+        return new_ids
+
+    def _cache_block(self, seq: Sequence, depth: int, block_hash: Any, now: float,
+                     created_by: str) -> None:
+        """Register the full block ``depth`` of ``seq`` (or share an identical cached one)."""
+        block_id = seq.block_table[depth]
+        existing = self.tree.get(block_hash)
+        if existing is not None:  # computed twice concurrently: keep the cached copy
+            self._acquire(existing, now)
+            existing._sharers[seq.request.session_id] = now
+            seq.block_table[depth] = existing._id
+            self.pool.decref(block_id)
+            self.pool.free(block_id)
+            seq._hashes.append(block_hash)
+            return
+        self._tick += 1
+        parent = seq._hashes[depth - 1] if depth else ROOT_HASH
+        tokens = None if seq._prompt is None else self._block_tokens(seq, depth)
+        block = BlockInfo(block_id, block_hash, parent, depth, tokens, self.pool.bytes_per_block,
+                          seq.request.workload_class, seq.request.session_id, now, self._tick,
+                          seq.request.retention, created_by)
+        block._ref_count = 1
+        self.tree.insert(block)  # the parent is held by seq, so no candidate changes
+        self._records[block_id] = block
+        seq._hashes.append(block_hash)
+        self.stats.inserted_blocks += 1
+        self.policy.on_insert(block, now)
+
+    def _block_tokens(self, seq: Sequence, depth: int) -> np.ndarray:
+        """Token ids of block ``depth`` of a token-mode sequence."""
+        start, end = depth * self.block_size, (depth + 1) * self.block_size
+        prompt = seq._prompt
+        if end <= len(prompt):
+            return prompt[start:end]
+        head = prompt[start:].tolist() if start < len(prompt) else []
+        lo = max(0, start - len(prompt))
+        return np.asarray(head + seq._generated[lo:end - len(prompt)], dtype=np.int64)
+
+    # -- release ---------------------------------------------------------------------------
+
+    def finish(self, seq_id: Any) -> None:
+        """End a sequence: release its blocks tail first; cached ones become candidates."""
+        seq = self.sequence(seq_id)
+        if seq.status == "running":
+            self._release_all(seq, self._now())
+        del self._seqs[seq_id]
+        seq.status = "finished"
+        self.stats.finished += 1
+
+    def preempt(self, seq_id: Any) -> Sequence:
+        """Release a running sequence's blocks (tail first) but keep it for `resume`."""
+        seq = self.sequence(seq_id)
+        if seq.status != "running":
+            raise ConfigError(f"sequence {seq_id!r} is {seq.status}, not running")
+        self._release_all(seq, self._now())
+        seq.status = "preempted"
+        self.stats.preemptions += 1
+        return seq
+
+    def _release_all(self, seq: Sequence, now: float) -> None:
+        records = self._records
+        pool = self.pool
+        for block_id in reversed(seq.block_table):
+            block = records.get(block_id)
+            if block is not None:
+                self._release_cached(block, now, touch=True)
+            else:
+                pool.decref(block_id)
+                pool.free(block_id)
+        seq.block_table = []
+
+    def _acquire(self, block: BlockInfo, now: float) -> None:
+        """Take a reference on a cached block (it stops being a candidate)."""
+        if block._ref_count == 0:
+            self._num_evictable -= 1
+            if block._id in self.tree.candidates:
+                self._drop_candidate(block, now)
+        block._ref_count += 1
+        self.pool.incref(block._id)
+
+    def _release_cached(self, block: BlockInfo, now: float, touch: bool) -> None:
+        self.pool.decref(block._id)
+        block._ref_count -= 1
+        if touch:
+            self._tick += 1
+            block._last_access = now
+            block._last_access_tick = self._tick
+        if block._ref_count == 0:
+            self._num_evictable += 1
+            if block._num_children == 0:
+                self._add_candidate(block, now)
+
+    # -- candidates and eviction -----------------------------------------------------------
+
+    def _add_candidate(self, block: BlockInfo, now: float) -> None:
+        self.tree.candidates[block._id] = block
+        if block._id in self._pins:
+            self._withheld[block._id] = block
+        else:
+            self.policy.on_candidate(block, now)
+
+    def _drop_candidate(self, block: BlockInfo, now: float) -> None:
+        del self.tree.candidates[block._id]
+        if self._withheld.pop(block._id, None) is None:
+            self.policy.on_uncandidate(block, now)
+
+    def _expire_pins(self, now: float) -> None:
+        heap = self._pin_heap
+        while heap and heap[0][0] <= now:
+            until, block_id = heapq.heappop(heap)
+            if self._pins.get(block_id) == until:
+                self._unpin_block(block_id, now)
+
+    def _evict(self, count: int, now: float) -> None:
+        """Evict ``count`` candidates (the caller checked that enough exist)."""
+        for _ in range(count):
+            self._expire_pins(now)
+            candidates = self.tree.candidates
+            offered = len(candidates) - len(self._withheld)
+            victim_id = self.policy.victim(now)
+            if victim_id is None:
+                if offered:
+                    raise PolicyError(
+                        f"{self.policy!r}.victim() returned None but it holds {offered} "
+                        "candidates"
+                    )
+                victim_id = min(self._withheld, key=lambda i: (
+                    self._pins[i], self._withheld[i]._last_access_tick))
+            elif victim_id not in candidates or victim_id in self._withheld:
+                what = ("a pinned candidate the policy was never offered"
+                        if victim_id in self._withheld else "not a candidate")
+                raise PolicyError(
+                    f"{self.policy!r}.victim() returned block {victim_id!r}, which is {what} "
+                    "(candidates are cached, unused leaves)"
+                )
+            self._evict_block(candidates[victim_id], now)
+
+    def add_eviction_listener(self, callback: Callable[[BlockInfo, float], None]) -> None:
+        """Call ``callback(block, now)`` just before each eviction (the block still cached).
+
+        For metrics and tests; a listener must not change the cache.
+        """
+        if not callable(callback):
+            raise ConfigError("an eviction listener must be callable(block, now)")
+        self._eviction_listeners.append(callback)
+
+    def _evict_block(self, block: BlockInfo, now: float) -> None:
+        for listener in self._eviction_listeners:
+            listener(block, now)
+        del self.tree.candidates[block._id]
+        if self._withheld.pop(block._id, None) is not None:
+            del self._pins[block._id]
+        else:
+            self.policy.on_evict(block, now)
+        parent = self.tree.remove(block)
+        del self._records[block._id]
+        self._num_evictable -= 1
+        self.pool.free(block._id)
+        stats = self.stats
+        stats.evictions += 1
+        by_class = stats.evictions_by_class
+        by_class[block._workload_class] = by_class.get(block._workload_class, 0) + 1
+        if parent is not None and parent._ref_count == 0:
+            self._add_candidate(parent, now)
+
+    def evict(self, count: int = 1) -> int:
+        """Evict up to ``count`` candidates now (e.g. to make room ahead of time); return
+        how many were evicted."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ConfigError(f"count must be a non-negative int, got {count!r}")
+        count = min(count, self._num_evictable)
+        self._evict(count, self._now())
+        return count
+
+    # -- pins ------------------------------------------------------------------------------
+
+    def pin(self, prefix: Any, until: float | None = None) -> int:
+        """Pin the cached blocks of ``prefix`` (token ids or a `Request`) until a clock time
+        (None: until `unpin`). Returns how many blocks were pinned.
+
+        Pinned candidates are never offered to the policy; they are evicted only when no other
+        candidate exists (earliest pin expiry first).
+        """
+        if until is not None and (isinstance(until, bool) or not isinstance(until, (int, float))
+                                  or until != until):
+            raise ConfigError(f"until must be a clock time (number) or None, got {until!r}")
+        now = self._now()
+        expiry = math.inf if until is None else float(until)
+        blocks = self.tree.longest_prefix(self._prefix_hashes(prefix))
+        if expiry <= now:
+            return 0
+        for block in blocks:
+            old = self._pins.get(block._id)
+            if old is not None and old >= expiry:
+                continue
+            self._pins[block._id] = expiry
+            if expiry != math.inf:
+                heapq.heappush(self._pin_heap, (expiry, block._id))
+            if old is None and block._id in self.tree.candidates:
+                self.policy.on_uncandidate(block, now)
+                self._withheld[block._id] = block
+        return len(blocks)
+
+    def unpin(self, prefix: Any) -> int:
+        """Remove pins from the cached blocks of ``prefix``; return how many were pinned."""
+        now = self._now()
+        count = 0
+        for block in self.tree.longest_prefix(self._prefix_hashes(prefix)):
+            if block._id in self._pins:
+                self._unpin_block(block._id, now)
+                count += 1
+        return count
+
+    def _unpin_block(self, block_id: int, now: float) -> None:
+        del self._pins[block_id]
+        block = self._withheld.pop(block_id, None)
+        if block is not None:
+            self.policy.on_candidate(block, now)
+
+    def is_pinned(self, block_id: int) -> bool:
+        """Whether a cached block is explicitly pinned (expired pins count as unpinned)."""
+        until = self._pins.get(block_id)
+        return until is not None and until > self._last_now
+
+    # -- invariants ------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Verify every invariant; raise `InvariantError` naming the first one broken."""
+        pool, tree = self.pool, self.tree
+
+        def fail(msg: str) -> None:
+            raise InvariantError(msg)
+
+        if pool.num_free + pool.num_used != pool.num_blocks:
+            fail("free + used != total")
+        if len(set(pool._free)) != len(pool._free):
+            fail("a block is on the free list twice")
+        for b in pool._free:
+            if pool._used[b] or pool._ref[b]:
+                fail(f"free block {b} is marked used or referenced")
+        refs = [0] * pool.num_blocks
+        for seq in self._seqs.values():
+            if seq.status == "running":
+                expected = -(-seq.num_tokens // self.block_size)
+                if len(seq.block_table) != expected:
+                    fail(f"sequence {seq.seq_id!r} holds {len(seq.block_table)} blocks for "
+                         f"{seq.num_tokens} tokens")
+                if len(set(seq.block_table)) != len(seq.block_table):
+                    fail(f"sequence {seq.seq_id!r} lists a block twice")
+                for depth, b in enumerate(seq.block_table):
+                    refs[b] += 1
+                    if depth < len(seq._hashes):
+                        rec = self._records.get(b)
+                        if rec is None or rec._hash != seq._hashes[depth]:
+                            fail(f"sequence {seq.seq_id!r} block {depth} is not its cached "
+                                 "block")
+            elif seq.block_table:
+                fail(f"{seq.status} sequence {seq.seq_id!r} still holds blocks")
+        for b in range(pool.num_blocks):
+            if pool._ref[b] != refs[b]:
+                fail(f"block {b}: ref count {pool._ref[b]} but {refs[b]} running users")
+            if pool._ref[b] < 0:
+                fail(f"block {b}: negative ref count")
+            if pool._used[b] and refs[b] == 0 and b not in self._records:
+                fail(f"block {b} is used but neither cached nor held (leaked)")
+        if len(self._records) != len(tree):
+            fail("records and tree disagree on the cached blocks")
+        children: dict[Any, int] = {}
+        evictable = 0
+        for block in tree:
+            if self._records.get(block._id) is not block:
+                fail(f"cached block {block._id} has no record")
+            if not pool._used[block._id]:
+                fail(f"cached block {block._id} is on the free list")
+            if block._ref_count != pool._ref[block._id]:
+                fail(f"block {block._id}: record ref {block._ref_count} != pool ref")
+            if block._parent not in (None, ROOT_HASH):
+                if block._parent not in tree:
+                    fail(f"prefix closure: block {block._id}'s parent is not cached")
+                children[block._parent] = children.get(block._parent, 0) + 1
+            if block._ref_count == 0:
+                evictable += 1
+        if evictable != self._num_evictable:
+            fail(f"evictable count {self._num_evictable} != {evictable}")
+        expected_candidates = set()
+        for block in tree:
+            if block._num_children != children.get(block._hash, 0):
+                fail(f"block {block._id}: child count {block._num_children} is wrong")
+            if block._ref_count == 0 and block._num_children == 0:
+                expected_candidates.add(block._id)
+        if set(tree.candidates) != expected_candidates:
+            fail("candidate set != {cached, ref 0, leaf}")
+        for block_id in self._withheld:
+            if block_id not in self._pins or block_id not in tree.candidates:
+                fail(f"withheld block {block_id} is not a pinned candidate")
+        for block_id in self._pins:
+            if block_id not in self._records:
+                fail(f"pinned block {block_id} is not cached")
+            if block_id in tree.candidates and block_id not in self._withheld:
+                fail(f"pinned candidate {block_id} was offered to the policy")
+        size = getattr(self.policy, "__len__", None)
+        if size is not None:
+            offered = len(tree.candidates) - len(self._withheld)
+            if len(self.policy) != offered:  # type: ignore[arg-type]
+                fail(f"policy tracks {len(self.policy)} candidates, expected "  # type: ignore
+                     f"{offered}")
+
+    def __repr__(self) -> str:
+        return (f"KVCacheManager(blocks={self.pool.num_blocks}, block_size={self.block_size}, "
+                f"policy={self.policy!r}, cached={len(self.tree)}, free={self.pool.num_free})")

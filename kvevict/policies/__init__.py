@@ -1,0 +1,23 @@
+"""Residency policies: the protocol, the registry and the built-in policies."""
+
+from kvevict.policies.base import (
+    Policy,
+    ScoredPolicy,
+    available_policies,
+    make_policy,
+    register_policy,
+)
+from kvevict.policies.lfu import LFU
+from kvevict.policies.lru import LRU
+from kvevict.policies.pinned import RefcountPinned
+
+__all__ = [
+    "LFU",
+    "LRU",
+    "Policy",
+    "RefcountPinned",
+    "ScoredPolicy",
+    "available_policies",
+    "make_policy",
+    "register_policy",
+]

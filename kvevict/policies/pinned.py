@@ -1,0 +1,119 @@
+"""Refcount-pinned: protect widely shared prefixes and hinted blocks, delegate the rest.
+
+A candidate is *protected* until
+``max(retention.until, t_k + window)``, where ``t_k`` is the k-th most recent use of the block
+by a distinct session (so a system prompt used by >= ``min_sharers`` sessions within
+``window`` seconds stays), and ``retention.until`` is the request's explicit hint. Protected
+candidates are withheld from the inner policy; when protection lapses they are handed back.
+Only when the inner policy has no candidate left is a protected one evicted (the one whose
+protection ends first). This is SGLang's and vLLM's "keep the system prompt" intuition made
+explicit; cf. prompt-cache pinning in Anthropic's and OpenAI's APIs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Any
+
+from kvevict.errors import ConfigError
+from kvevict.policies.base import Policy, make_policy, register_policy
+from kvevict.types import BlockInfo
+
+__all__ = ["RefcountPinned"]
+
+
+@register_policy("pinned")
+class RefcountPinned(Policy):
+    """Wraps any policy; shields shared or hinted blocks while any other candidate exists.
+
+    Args:
+        inner: the policy deciding among unprotected candidates (a name or an instance).
+        min_sharers: distinct sessions within ``window`` that make a block protected (k).
+        window: seconds a session's use counts towards sharing.
+        inner_params: parameters for ``inner`` when it is given by name.
+    """
+
+    def __init__(self, inner: str | Policy = "lru", min_sharers: int = 3,
+                 window: float = 600.0, **inner_params: Any) -> None:
+        if isinstance(min_sharers, bool) or not isinstance(min_sharers, int) or min_sharers < 1:
+            raise ConfigError(f"min_sharers must be an int >= 1, got {min_sharers!r}")
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or not window > 0:
+            raise ConfigError(f"window must be a positive number of seconds, got {window!r}")
+        self.inner = make_policy(inner, **inner_params)
+        self.min_sharers = min_sharers
+        self.window = float(window)
+        self._protected: dict[int, tuple[float, int, int]] = {}
+        self._blocks: dict[int, BlockInfo] = {}
+        self._heap: list[tuple[float, int, int]] = []
+
+    def protected_until(self, block: BlockInfo) -> float:
+        """Clock time until which ``block`` is protected (-inf if it is not)."""
+        until = -math.inf
+        hint = block.retention
+        if hint is not None and hint.until is not None:
+            until = float(hint.until)
+        if block.num_sharers >= self.min_sharers:
+            times = sorted(block.sharers.values(), reverse=True)
+            until = max(until, times[self.min_sharers - 1] + self.window)
+        return until
+
+    def on_insert(self, block: BlockInfo, now: float) -> None:
+        self.inner.on_insert(block, now)
+
+    def on_hit(self, block: BlockInfo, now: float) -> None:
+        self.inner.on_hit(block, now)
+
+    def on_candidate(self, block: BlockInfo, now: float) -> None:
+        until = self.protected_until(block)
+        if until > now:
+            key = (until, block.last_access_tick, block.block_id)
+            self._protected[block.block_id] = key
+            self._blocks[block.block_id] = block
+            heapq.heappush(self._heap, key)
+        else:
+            self.inner.on_candidate(block, now)
+
+    def _leave(self, block: BlockInfo, now: float, evicted: bool) -> None:
+        if self._protected.pop(block.block_id, None) is not None:
+            del self._blocks[block.block_id]
+        elif evicted:
+            self.inner.on_evict(block, now)
+        else:
+            self.inner.on_uncandidate(block, now)
+
+    def on_uncandidate(self, block: BlockInfo, now: float) -> None:
+        self._leave(block, now, evicted=False)
+
+    def on_evict(self, block: BlockInfo, now: float) -> None:
+        self._leave(block, now, evicted=True)
+
+    def _head(self) -> tuple[float, int, int] | None:
+        heap = self._heap
+        while heap:
+            key = heap[0]
+            if self._protected.get(key[2]) is key:
+                return key
+            heapq.heappop(heap)
+        return None
+
+    def victim(self, now: float) -> int | None:
+        # hand back candidates whose protection lapsed
+        while (key := self._head()) is not None and key[0] <= now:
+            heapq.heappop(self._heap)
+            del self._protected[key[2]]
+            self.inner.on_candidate(self._blocks.pop(key[2]), now)
+        chosen = self.inner.victim(now)
+        if chosen is not None:
+            return chosen
+        key = self._head()
+        return None if key is None else key[2]
+
+    @property
+    def num_protected(self) -> int:
+        """Candidates currently shielded from the inner policy."""
+        return len(self._protected)
+
+    def __repr__(self) -> str:
+        return (f"RefcountPinned(inner={self.inner!r}, min_sharers={self.min_sharers}, "
+                f"window={self.window})")

@@ -1,0 +1,406 @@
+"""Hypothesis strategies and a stateful machine that checks any policy against the manager.
+
+Run the shared machine on your own policy with one line in a test module::
+
+    from kvevict.testing import machine_for
+    TestMyPolicy = machine_for(lambda: MyPolicy()).TestCase
+
+The machine drives a `KVCacheManager` through random begin / append / finish / preempt /
+resume / pin / unpin / lookup / evict / clock steps next to a plain-Python model of what must
+be cached, and checks after every step:
+
+- free + used = total, and `KVCacheManager.check()` (ref counts, tree, candidate set);
+- each running sequence holds one block per ``block_size`` tokens, its full blocks are the
+  cached blocks of its tokens, so ref counts equal the live sequences' use;
+- the set of cached blocks equals the model's (inserted by the model's rules, minus
+  evictions), so prefix closure holds and lookups equal the model's;
+- every eviction (seen when it happens) took a block with no running user that was a leaf,
+  and never a pinned block while an unpinned candidate existed;
+- ``begin`` hits exactly the model's cached prefix, and raises `OutOfBlocks` exactly when the
+  model says the blocks cannot be freed;
+- in tensor mode, every cached block still holds the KV bytes written when it was computed.
+
+Hypothesis settings come from the active profile: `register_profiles` adds ``ci`` (fast, the
+default of the test suite) and ``stress`` (long runs: ``pytest --hypothesis-profile=stress``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from kvevict.errors import OutOfBlocks
+from kvevict.layout import KVLayout
+from kvevict.manager import KVCacheManager
+from kvevict.policies.base import Policy, make_policy
+from kvevict.pool import BlockPool
+from kvevict.prefix import ROOT_HASH, block_hashes
+from kvevict.types import WORKLOAD_CLASSES, BlockInfo, ManualClock, Request, RetentionHint
+
+__all__ = [
+    "CacheMachine",
+    "machine_for",
+    "register_profiles",
+    "requests",
+    "retention_hints",
+    "token_ids",
+]
+
+#: A few shared "system prompts" so random requests share prefixes often.
+SYSTEM_PROMPTS = ((1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9), (5, 5, 5, 5, 5))
+
+
+def register_profiles() -> None:
+    """Register the ``ci`` and ``stress`` Hypothesis profiles (idempotent)."""
+    settings.register_profile(
+        "ci", max_examples=20, stateful_step_count=40, deadline=None, derandomize=True,
+    )
+    settings.register_profile("stress", max_examples=1000, stateful_step_count=120,
+                              deadline=None)
+
+
+def token_ids(max_len: int = 14, vocab: int = 3) -> st.SearchStrategy[list[int]]:
+    """Token id lists that often share prefixes: a shared system prompt plus a short tail
+    from a tiny vocabulary."""
+    tail = st.lists(st.integers(0, vocab - 1), min_size=0, max_size=max_len)
+    head = st.sampled_from(SYSTEM_PROMPTS + ((),))
+    return st.builds(lambda h, t: list(h) + t, head, tail).filter(lambda x: len(x) > 0)
+
+
+def retention_hints() -> st.SearchStrategy[RetentionHint | None]:
+    """None most of the time, else a hint with a deadline a few seconds ahead."""
+    return st.one_of(
+        st.none(), st.none(),
+        st.builds(RetentionHint, priority=st.floats(0, 1),
+                  until=st.one_of(st.none(), st.floats(0, 30))),
+    )
+
+
+def requests(request_id: Any, max_len: int = 14) -> st.SearchStrategy[Request]:
+    """Random `Request` objects with shared prefixes, sessions, classes and hints."""
+    return st.builds(
+        lambda toks, session, cls, hint: Request(
+            request_id, tokens=toks, session_id=session, workload_class=cls, retention=hint
+        ),
+        token_ids(max_len), st.integers(0, 4), st.sampled_from(WORKLOAD_CLASSES),
+        retention_hints(),
+    )
+
+
+def _kv_value(parent_hash: int, tokens: list[int]) -> float:
+    """A stand-in for the KV of the last token of ``tokens`` given the block's parent: it
+    depends on the whole prefix, as real keys and values do."""
+    h = hashlib.blake2b(digest_size=4)
+    h.update(int(parent_hash).to_bytes(16, "little"))
+    h.update(np.asarray(tokens, dtype="<i8").tobytes())
+    return float(int.from_bytes(h.digest(), "little") % 65521)
+
+
+class _ModelSeq:
+    def __init__(self, seq_id: int, tokens: list[int], session: Any) -> None:
+        self.seq_id = seq_id
+        self.tokens = tokens
+        self.session = session
+        self.running = True
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """The manager next to a plain-Python model; see the module docstring for the checks.
+
+    Subclass via `machine_for` rather than directly.
+    """
+
+    policy_factory: Callable[[], Policy] = staticmethod(lambda: make_policy("lru"))
+    num_blocks = 12
+    block_size = 4
+    tensor = False
+
+    running = Bundle("running")
+    preempted = Bundle("preempted")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = ManualClock()
+        layout = KVLayout.gqa(num_layers=2, num_attention_heads=2, num_kv_heads=1,
+                              head_dim=2, dtype="float32")
+        self.pool = BlockPool(self.num_blocks, self.block_size, layout if self.tensor else None,
+                              device="cpu" if self.tensor else None)
+        self.manager = KVCacheManager(self.pool, self.policy_factory(), clock=self.clock)
+        self.manager.add_eviction_listener(self._on_evict)
+        # the model
+        self.cached: dict[int, int] = {}  # hash -> parent hash
+        self.pins: dict[int, float] = {}  # hash -> pinned until
+        self.seqs: dict[int, _ModelSeq] = {}
+        self.pending_hold: set[int] = set()
+        self.next_id = 0
+        self.evictions = 0
+
+    # -- model helpers ---------------------------------------------------------------------
+
+    def _hashes(self, tokens: list[int]) -> list[int]:
+        return block_hashes(tokens, self.block_size)
+
+    def _model_hits(self, tokens: list[int]) -> int:
+        n = 0
+        for h in self._hashes(tokens):
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
+    def _held(self) -> tuple[set[int], int]:
+        """Hashes of full blocks held by running sequences, and their number of partial
+        blocks."""
+        held: set[int] = set(self.pending_hold)
+        partial = 0
+        for s in self.seqs.values():
+            if s.running:
+                held.update(self._hashes(s.tokens))
+                partial += 1 if len(s.tokens) % self.block_size else 0
+        return held, partial
+
+    def _on_evict(self, block: BlockInfo, now: float) -> None:
+        h = block.block_hash
+        assert h in self.cached, "evicted a block the model does not hold"
+        held, _ = self._held()
+        assert h not in held, f"evicted block {block.block_id} while a running sequence uses it"
+        assert not any(p == h for p in self.cached.values()), "evicted a non-leaf block"
+        if self.pins.get(h, -math.inf) > now:
+            for other, parent in self.cached.items():
+                is_leaf = not any(p == other for p in self.cached.values())
+                if other != h and is_leaf and other not in held:
+                    assert self.pins.get(other, -math.inf) > now, (
+                        f"evicted pinned block {block.block_id} while candidate "
+                        f"{other:#x} was unpinned"
+                    )
+        del self.cached[h]
+        self.pins.pop(h, None)
+        self.evictions += 1
+
+    def _insert_chain(self, tokens: list[int]) -> None:
+        parent = ROOT_HASH
+        for h in self._hashes(tokens):
+            self.cached.setdefault(h, parent)
+            parent = h
+
+    def _write_kv(self, seq_id: int, start: int) -> None:
+        """What an engine does: write KV for tokens ``start..`` into the sequence's blocks."""
+        if not self.tensor:
+            return
+        seq = self.manager.sequence(seq_id)
+        tokens = self.seqs[seq_id].tokens
+        hashes = [ROOT_HASH, *self._hashes(tokens)]
+        bs = self.block_size
+        for pos in range(start, len(tokens)):
+            d, slot = divmod(pos, bs)
+            v = _kv_value(hashes[d], tokens[d * bs:pos + 1])
+            key = torch.full((1, 1, 2), v)
+            for layer in range(2):
+                self.pool.write(seq.block_table[d], layer, key, -key, start=slot)
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @rule(target=running, tokens=token_ids(), session=st.integers(0, 4),
+          cls=st.sampled_from(WORKLOAD_CLASSES), hint=retention_hints())
+    def begin(self, tokens: list[int], session: int, cls: str, hint: RetentionHint | None):
+        seq_id = self.next_id
+        self.next_id += 1
+        hashes = self._hashes(tokens)
+        hits = self._model_hits(tokens)
+        held, partial = self._held()
+        need = -(-len(tokens) // self.block_size) - hits
+        in_use = len(held | set(hashes[:hits])) + partial
+        expect_oob = need > self.num_blocks - in_use
+        request = Request(seq_id, tokens=tokens, session_id=session, workload_class=cls,
+                          retention=hint)
+        self.pending_hold = set(hashes[:hits])
+        try:
+            seq = self.manager.begin(request)
+        except OutOfBlocks:
+            assert expect_oob, "OutOfBlocks although the model could free enough blocks"
+            return multiple()
+        finally:
+            self.pending_hold = set()
+        assert not expect_oob, "begin succeeded although the model expected OutOfBlocks"
+        assert seq.num_cached_tokens == hits * self.block_size
+        self.seqs[seq_id] = _ModelSeq(seq_id, list(tokens), session)
+        self._insert_chain(tokens)
+        self._write_kv(seq_id, hits * self.block_size)
+        return seq_id
+
+    @rule(seq_id=running, tokens=st.lists(st.integers(0, 2), min_size=1, max_size=6))
+    def append(self, seq_id: int, tokens: list[int]):
+        if seq_id not in self.seqs or not self.seqs[seq_id].running:
+            return
+        model = self.seqs[seq_id]
+        held, partial = self._held()
+        old = len(model.tokens)
+        need = -(-(old + len(tokens)) // self.block_size) - -(-old // self.block_size)
+        expect_oob = need > self.num_blocks - len(held) - partial
+        try:
+            self.manager.append(seq_id, tokens)
+        except OutOfBlocks:
+            assert expect_oob, "OutOfBlocks on append although blocks could be freed"
+            return
+        assert not expect_oob, "append succeeded although the model expected OutOfBlocks"
+        model.tokens.extend(tokens)
+        self._insert_chain(model.tokens)
+        self._write_kv(seq_id, old)
+
+    @rule(seq_id=st.one_of(consumes(running), consumes(preempted)))
+    def finish(self, seq_id: int):
+        if seq_id not in self.seqs:
+            return
+        self.manager.finish(seq_id)
+        del self.seqs[seq_id]
+
+    @rule(target=preempted, seq_id=consumes(running))
+    def preempt(self, seq_id: int):
+        if seq_id not in self.seqs:
+            return multiple()
+        self.manager.preempt(seq_id)
+        self.seqs[seq_id].running = False
+        return seq_id
+
+    @rule(target=running, seq_id=consumes(preempted))
+    def resume(self, seq_id: int):
+        if seq_id not in self.seqs:
+            return multiple()
+        model = self.seqs[seq_id]
+        hashes = self._hashes(model.tokens)
+        hits = self._model_hits(model.tokens)
+        held, partial = self._held()
+        need = -(-len(model.tokens) // self.block_size) - hits
+        expect_oob = need > self.num_blocks - len(held | set(hashes[:hits])) - partial
+        self.pending_hold = set(hashes[:hits])
+        try:
+            seq = self.manager.resume(seq_id)
+        except OutOfBlocks:
+            assert expect_oob, "OutOfBlocks on resume although blocks could be freed"
+            self.manager.finish(seq_id)  # give up on it
+            del self.seqs[seq_id]
+            return multiple()
+        finally:
+            self.pending_hold = set()
+        assert not expect_oob
+        assert seq.num_cached_tokens == hits * self.block_size
+        model.running = True
+        self._insert_chain(model.tokens)
+        self._write_kv(seq_id, hits * self.block_size)
+        return seq_id
+
+    @rule(tokens=token_ids(), until=st.one_of(st.none(), st.floats(0, 40)))
+    def pin(self, tokens: list[int], until: float | None):
+        n = self.manager.pin(tokens, until=until)
+        expiry = math.inf if until is None else until
+        hashes = self._hashes(tokens)[:self._model_hits(tokens)]
+        if expiry <= self.clock.now:
+            assert n == 0
+            return
+        assert n == len(hashes)
+        for h in hashes:
+            self.pins[h] = max(self.pins.get(h, -math.inf), expiry)
+
+    @rule(tokens=token_ids())
+    def unpin(self, tokens: list[int]):
+        self.manager.unpin(tokens)
+        for h in self._hashes(tokens)[:self._model_hits(tokens)]:
+            self.pins.pop(h, None)
+
+    @rule(tokens=token_ids())
+    def lookup(self, tokens: list[int]):
+        before = self.manager.stats.as_dict()
+        result = self.manager.lookup(tokens)
+        assert result.num_cached_blocks == self._model_hits(tokens)
+        assert self.manager.stats.as_dict() == before, "lookup changed the stats"
+
+    @rule(seconds=st.sampled_from([0.0, 0.5, 3.0, 20.0]))
+    def advance(self, seconds: float):
+        self.clock.advance(seconds)
+
+    @precondition(lambda self: self.manager.num_evictable_blocks > 0)
+    @rule(count=st.integers(1, 3))
+    def evict(self, count: int):
+        before = self.evictions
+        n = self.manager.evict(count)
+        assert self.evictions - before == n
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def manager_consistent(self):
+        self.manager.check()
+        assert self.pool.num_free + self.pool.num_used == self.pool.num_blocks
+
+    @invariant()
+    def cached_set_matches_model(self):
+        actual = {b.block_hash: b.parent_hash for b in self.manager.tree}
+        assert actual == self.cached, "cached blocks differ from the model's"
+
+    @invariant()
+    def sequences_match_model(self):
+        live = self.manager.sequences
+        assert set(live) == set(self.seqs)
+        for seq_id, model in self.seqs.items():
+            seq = live[seq_id]
+            assert seq.tokens == model.tokens
+            if not model.running:
+                assert seq.block_table == []
+                continue
+            assert len(seq.block_table) == -(-len(model.tokens) // self.block_size)
+            for d, h in enumerate(self._hashes(model.tokens)):
+                block = self.manager.block(seq.block_table[d])
+                assert block is not None and block.block_hash == h
+                assert block.ref_count >= 1
+
+    @invariant()
+    def kv_bytes_unchanged(self):
+        if not self.tensor:
+            return
+        for block in self.manager.tree:
+            tokens = block.tokens.tolist()
+            for slot in range(self.block_size):
+                v = _kv_value(block.parent_hash, tokens[:slot + 1])
+                for layer in range(2):
+                    k, val = self.pool.read(block.block_id, layer)
+                    assert float(k[slot, 0, 0]) == v and float(val[slot, 0, 1]) == -v, (
+                        f"KV of cached block {block.block_id} changed"
+                    )
+
+
+def machine_for(policy: str | Callable[[], Policy], *, num_blocks: int = 12,
+                block_size: int = 4, tensor: bool = False,
+                **policy_params: Any) -> type[CacheMachine]:
+    """A `CacheMachine` subclass for ``policy`` (a registered name or a zero-argument factory
+    returning a fresh policy). Use its ``TestCase`` attribute as a pytest test class."""
+    if isinstance(policy, str):
+        name = policy
+
+        def factory() -> Policy:
+            return make_policy(name, **policy_params)
+    else:
+        name = getattr(policy, "__name__", "custom")
+        factory = policy  # type: ignore[assignment]
+    attrs = {
+        "policy_factory": staticmethod(factory),
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "tensor": tensor,
+    }
+    return type(f"CacheMachine_{name}", (CacheMachine,), attrs)
