@@ -5,7 +5,14 @@ A failing call leaves the cache consistent: `KVCacheManager.check()` holds after
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "KVEvictError", "OutOfBlocks", "PolicyError", "TraceFormatError"]
+__all__ = [
+    "AdmissionDeferred",
+    "ConfigError",
+    "KVEvictError",
+    "OutOfBlocks",
+    "PolicyError",
+    "TraceFormatError",
+]
 
 
 class KVEvictError(Exception):
@@ -50,3 +57,17 @@ class TraceFormatError(KVEvictError, ValueError):
         self.path = path
         self.line = line
         self.field = field
+
+
+class AdmissionDeferred(KVEvictError):
+    """Admission control told a request to wait instead of evicting (state unchanged).
+
+    ``retry_after`` is the suggested wait in seconds; ``reason`` says why.
+    """
+
+    def __init__(self, message: str, *, request_id: object = None, reason: str = "",
+                 retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.reason = reason
+        self.retry_after = retry_after

@@ -28,7 +28,14 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvevict.errors import ConfigError, KVEvictError, OutOfBlocks, PolicyError
+from kvevict.admission import Admission, AlwaysAdmit
+from kvevict.errors import (
+    AdmissionDeferred,
+    ConfigError,
+    KVEvictError,
+    OutOfBlocks,
+    PolicyError,
+)
 from kvevict.policies.base import Policy, make_policy
 from kvevict.pool import BlockPool
 from kvevict.prefix import ROOT_HASH, PrefixTree, block_hashes
@@ -133,11 +140,12 @@ class KVCacheManager:
         clock: callable returning the current time in seconds (default: a `ManualClock` at 0).
         extra_key: mixed into every block hash (model / adapter id): caches with different
             keys never share blocks.
+        admission: consulted before a request evicts anything (default: `AlwaysAdmit`).
     """
 
     def __init__(self, pool: BlockPool, policy: Policy | str = "lru", *,
                  clock: Callable[[], float] | None = None, extra_key: Any = None,
-                 **policy_params: Any) -> None:
+                 admission: Admission | None = None, **policy_params: Any) -> None:
         if not isinstance(pool, BlockPool):
             raise ConfigError(f"pool must be a BlockPool, got {type(pool).__name__}")
         self.pool = pool
@@ -148,6 +156,9 @@ class KVCacheManager:
         self.clock: Callable[[], float] = clock if clock is not None else ManualClock()
         self.extra_key = extra_key
         block_hashes([], 1, extra_key)  # validates extra_key
+        if admission is not None and not isinstance(admission, Admission):
+            raise ConfigError(f"admission must be an Admission, got {type(admission).__name__}")
+        self.admission: Admission = admission if admission is not None else AlwaysAdmit()
         self.tree = PrefixTree()
         self.stats = CacheStats()
         self._seqs: dict[Any, Sequence] = {}
@@ -226,7 +237,8 @@ class KVCacheManager:
         """Start a request: reuse its cached prefix, allocate the rest, cache its full blocks.
 
         Raises `OutOfBlocks` (state unchanged) when even evicting every candidate would not
-        free enough blocks.
+        free enough blocks, and `AdmissionDeferred` (state unchanged) when admission control
+        tells the request to wait rather than evict.
         """
         if not isinstance(request, Request):
             raise ConfigError(f"begin() takes a Request, got {type(request).__name__}")
@@ -303,7 +315,16 @@ class KVCacheManager:
         for block in hit:  # hold the hit blocks so eviction cannot take them
             self._acquire(block, now)
         try:
-            self._evict(need - pool.num_free, now)
+            evictions = need - pool.num_free
+            if evictions > 0:
+                decision = self.admission.admit(seq.request, evictions, self, now)
+                if not decision.admit:
+                    raise AdmissionDeferred(
+                        f"request {seq.seq_id!r} deferred: {decision.reason}",
+                        request_id=seq.seq_id, reason=decision.reason,
+                        retry_after=decision.retry_after,
+                    )
+            self._evict(evictions, now)
         except Exception:
             for block in reversed(hit):
                 self._release_cached(block, now, touch=False)
@@ -331,6 +352,7 @@ class KVCacheManager:
             self._cache_block(seq, depth, hashes[depth], now, "prefill")
         cached_tokens = min(len(hit) * bs, num_tokens)
         seq.num_cached_tokens = cached_tokens
+        self.admission.on_admitted(seq.request, now)
         stats = self.stats
         stats.requests += 1
         stats.prefix_cache_queries += num_tokens
@@ -410,9 +432,16 @@ class KVCacheManager:
         self._tick += 1
         parent = seq._hashes[depth - 1] if depth else ROOT_HASH
         tokens = None if seq._prompt is None else self._block_tokens(seq, depth)
+        kinds = seq.request.block_kinds
+        if created_by == "decode":
+            kind = "output"
+        elif kinds is not None and depth < len(kinds):
+            kind = kinds[depth]
+        else:
+            kind = "prompt"
         block = BlockInfo(block_id, block_hash, parent, depth, tokens, self.pool.bytes_per_block,
                           seq.request.workload_class, seq.request.session_id, now, self._tick,
-                          seq.request.retention, created_by)
+                          seq.request.retention, created_by, kind)
         block._ref_count = 1
         self.tree.insert(block)  # the parent is held by seq, so no candidate changes
         self._records[block_id] = block

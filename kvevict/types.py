@@ -12,6 +12,7 @@ import numpy as np
 from kvevict.errors import ConfigError
 
 __all__ = [
+    "BLOCK_KINDS",
     "WORKLOAD_CLASSES",
     "BlockInfo",
     "ManualClock",
@@ -23,6 +24,9 @@ __all__ = [
 
 #: The built-in workload classes. Any other non-empty string is accepted too (extensible).
 WORKLOAD_CLASSES = ("chat", "agent", "rag", "single_shot", "batch")
+
+#: What a block's tokens are: see `Request.block_kinds`.
+BLOCK_KINDS = ("prompt", "context", "output")
 
 
 def as_token_array(tokens: Any, *, what: str = "tokens") -> np.ndarray:
@@ -87,6 +91,11 @@ class Request:
     Give the prompt either as ``tokens`` (token ids, hashed into blocks by the manager) or as
     ``block_hashes`` (already chained block ids, as in the Mooncake and Alibaba traces, where
     each listed id is one cacheable block) together with ``num_tokens``.
+
+    ``block_kinds`` optionally tags prompt block ``d`` with what it holds: ``"prompt"`` (user
+    or system text), ``"context"`` (a tool result or retrieved document) or ``"output"`` (a
+    previous model answer fed back). Untagged prompt blocks are ``"prompt"``; blocks filled by
+    decoding are ``"output"``.
     """
 
     request_id: Any
@@ -99,6 +108,7 @@ class Request:
     retention: RetentionHint | None = None
     block_hashes: tuple | None = attrs.field(default=None)
     num_tokens: int | None = attrs.field(default=None)
+    block_kinds: tuple | None = attrs.field(default=None)
     extra: dict = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
@@ -136,6 +146,15 @@ class Request:
                     f"request {self.request_id!r}: num_tokens={self.num_tokens} but "
                     f"{len(self.tokens)} tokens given"
                 )
+        if self.block_kinds is not None:
+            kinds = tuple(self.block_kinds)
+            bad = [k for k in kinds if k not in BLOCK_KINDS]
+            if bad:
+                raise ConfigError(
+                    f"request {self.request_id!r}: block_kinds must be drawn from "
+                    f"{', '.join(BLOCK_KINDS)}; got {bad[0]!r}"
+                )
+            object.__setattr__(self, "block_kinds", kinds)
         if not isinstance(self.workload_class, str) or not self.workload_class:
             raise ConfigError(
                 f"request {self.request_id!r}: workload_class must be a non-empty string "
@@ -174,13 +193,13 @@ class BlockInfo:
         "_id", "_hash", "_parent", "_depth", "_tokens", "_bytes", "_tier",
         "_workload_class", "_session", "_created", "_last_access", "_last_access_tick",
         "_hit_count", "_sharers", "_ref_count", "_retention", "_num_children",
-        "_created_by", "_last_hit_session", "__weakref__",
+        "_created_by", "_last_hit_session", "_kind", "__weakref__",
     )
 
     def __init__(self, block_id: int, block_hash: Any, parent: Any, depth: int,
                  tokens: np.ndarray | None, nbytes: int, workload_class: str, session: Any,
                  now: float, tick: int, retention: RetentionHint | None,
-                 created_by: str = "prefill") -> None:
+                 created_by: str = "prefill", kind: str = "prompt") -> None:
         self._id = block_id
         self._hash = block_hash
         self._parent = parent
@@ -200,6 +219,7 @@ class BlockInfo:
         self._num_children = 0
         self._created_by = created_by
         self._last_hit_session = None
+        self._kind = kind
 
     block_id = property(lambda self: self._id, doc="Physical block id in the pool.")
     block_hash = property(lambda self: self._hash, doc="Chained content hash (the tree key).")
@@ -230,6 +250,8 @@ class BlockInfo:
                             doc="Resident cached children; 0 means the block is a leaf.")
     created_by = property(lambda self: self._created_by,
                           doc="'prefill' or 'decode': how the block's tokens were produced.")
+    kind = property(lambda self: self._kind,
+                    doc="'prompt', 'context' or 'output' (see Request.block_kinds).")
     last_hit_session = property(lambda self: self._last_hit_session,
                                 doc="Session of the most recent hit, or None if never hit.")
 
