@@ -4,7 +4,12 @@ Run: python examples/custom_policy.py
 """
 
 from kvevict import (
-    BlockPool, KVCacheManager, ManualClock, Request, ScoredPolicy, register_policy,
+    BlockPool,
+    KVCacheManager,
+    ManualClock,
+    Request,
+    ScoredPolicy,
+    register_policy,
 )
 from kvevict.testing import machine_for
 

@@ -46,7 +46,7 @@ class Admission(abc.ABC):
               now: float) -> AdmissionDecision:
         """Admit, or defer with a reason and a suggested wait."""
 
-    def on_admitted(self, request: Request, now: float) -> None:  # noqa: B027
+    def on_admitted(self, request: Request, now: float) -> None:
         """The request started (its deferral, if any, is over)."""
 
 

@@ -99,8 +99,18 @@ class Sequence:
     block_size)``. Read it; only the manager changes it.
     """
 
-    __slots__ = ("seq_id", "request", "block_table", "num_tokens", "num_cached_tokens",
-                 "status", "_hashes", "_prompt", "_generated", "_tail")
+    __slots__ = (
+        "_generated",
+        "_hashes",
+        "_prompt",
+        "_tail",
+        "block_table",
+        "num_cached_tokens",
+        "num_tokens",
+        "request",
+        "seq_id",
+        "status",
+    )
 
     def __init__(self, request: Request) -> None:
         self.seq_id = request.request_id
@@ -259,10 +269,14 @@ class KVCacheManager:
             if len(set(hashes)) != len(hashes):
                 raise ConfigError(f"request {request.request_id!r}: block_hashes repeat an id; "
                                   "expected a prefix-chained list of distinct block ids")
+            # each listed id is one cacheable block: the prompt occupies whole blocks, and
+            # appended tokens start a new block rather than grow a shared cached one
+            slots = max(request.prompt_len, len(hashes) * self.block_size)
         else:
             hashes = block_hashes(request.tokens, self.block_size, self.extra_key)
             seq._tail = request.tokens[len(hashes) * self.block_size:].tolist()
-        self._start(seq, hashes, request.prompt_len)
+            slots = request.prompt_len
+        self._start(seq, hashes, slots, request.prompt_len)
         self._seqs[seq.seq_id] = seq
         return seq
 
@@ -275,16 +289,19 @@ class KVCacheManager:
             hashes = list(seq.request.block_hashes)  # appended blocks of a hash-only
         else:                                        # request were never cached
             hashes = list(seq._hashes)
-        self._start(seq, hashes, seq.num_tokens)
+        self._start(seq, hashes, seq.num_tokens, seq.num_tokens)
         seq.status = "running"
         return seq
 
-    def _start(self, seq: Sequence, hashes: list[Any], num_tokens: int) -> None:
+    def _start(self, seq: Sequence, hashes: list[Any], num_tokens: int,
+               query_tokens: int) -> None:
+        """Hit, allocate and cache ``num_tokens`` token slots; ``query_tokens`` of them count
+        as prefix-cache queries."""
         bs = self.block_size
         hit = self.tree.longest_prefix(hashes)
         if seq._prompt is None:  # hash ids from a trace: check they are chained
             parent = ROOT_HASH
-            for h, block in zip(hashes, hit):
+            for h, block in zip(hashes, hit, strict=False):
                 if block._parent != parent:
                     raise ConfigError(
                         f"request {seq.seq_id!r}: block id {h!r} is cached under parent "
@@ -312,8 +329,11 @@ class KVCacheManager:
             )
         now = self._now()
         pool = self.pool
+        old_hashes = seq._hashes
         for block in hit:  # hold the hit blocks so eviction cannot take them
             self._acquire(block, now)
+        seq.block_table = [b._id for b in hit]
+        seq._hashes = [b._hash for b in hit]
         try:
             evictions = need - pool.num_free
             if evictions > 0:
@@ -325,37 +345,35 @@ class KVCacheManager:
                         retry_after=decision.retry_after,
                     )
             self._evict(evictions, now)
-        except Exception:
-            for block in reversed(hit):
-                self._release_cached(block, now, touch=False)
+            session = seq.request.session_id
+            retention = seq.request.retention
+            for block in hit:
+                self._tick += 1
+                block._last_access = now
+                block._last_access_tick = self._tick
+                block._hit_count += 1
+                block._sharers[session] = now
+                block._last_hit_session = session
+                if retention is not None:
+                    block._retention = retention
+                self.policy.on_hit(block, now)
+            for _ in range(need):
+                seq.block_table.append(pool.allocate())
+            self.stats.allocated_blocks += need
+            for depth in range(len(hit), len(hashes)):
+                self._cache_block(seq, depth, hashes[depth], now, "prefill")
+            self.admission.on_admitted(seq.request, now)
+        except BaseException:
+            # undo: release what the sequence holds (cached blocks become candidates)
+            self._release_all(seq, now, touch=False)
+            seq._hashes = old_hashes
             raise
-        session = seq.request.session_id
-        retention = seq.request.retention
-        for block in hit:
-            self._tick += 1
-            block._last_access = now
-            block._last_access_tick = self._tick
-            block._hit_count += 1
-            block._sharers[session] = now
-            block._last_hit_session = session
-            if retention is not None:
-                block._retention = retention
-            self.policy.on_hit(block, now)
-        table = [b._id for b in hit]
-        for _ in range(need):
-            table.append(pool.allocate())
-        self.stats.allocated_blocks += need
-        seq.block_table = table
         seq.num_tokens = num_tokens
-        seq._hashes = [b._hash for b in hit]
-        for depth in range(len(hit), len(hashes)):
-            self._cache_block(seq, depth, hashes[depth], now, "prefill")
-        cached_tokens = min(len(hit) * bs, num_tokens)
+        cached_tokens = min(len(hit) * bs, query_tokens)
         seq.num_cached_tokens = cached_tokens
-        self.admission.on_admitted(seq.request, now)
         stats = self.stats
         stats.requests += 1
-        stats.prefix_cache_queries += num_tokens
+        stats.prefix_cache_queries += query_tokens
         stats.prefix_cache_hits += cached_tokens
         stats.block_queries += len(hashes)
         stats.block_hits += len(hit)
@@ -480,13 +498,13 @@ class KVCacheManager:
         self.stats.preemptions += 1
         return seq
 
-    def _release_all(self, seq: Sequence, now: float) -> None:
+    def _release_all(self, seq: Sequence, now: float, touch: bool = True) -> None:
         records = self._records
         pool = self.pool
         for block_id in reversed(seq.block_table):
             block = records.get(block_id)
             if block is not None:
-                self._release_cached(block, now, touch=True)
+                self._release_cached(block, now, touch=touch)
             else:
                 pool.decref(block_id)
                 pool.free(block_id)
@@ -643,7 +661,7 @@ class KVCacheManager:
     def is_pinned(self, block_id: int) -> bool:
         """Whether a cached block is explicitly pinned (expired pins count as unpinned)."""
         until = self._pins.get(block_id)
-        return until is not None and until > self._last_now
+        return until is not None and until > self.clock()
 
     # -- invariants ------------------------------------------------------------------------
 

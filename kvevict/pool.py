@@ -178,7 +178,7 @@ class BlockPool:
         if layout.kv_planes == 2 and value is None:
             raise ConfigError("this pool stores K and V; pass both key and value")
         shape = None
-        for name, t in zip(("key", "value"), planes):
+        for name, t in zip(("key", "value"), planes, strict=False):
             if not isinstance(t, torch.Tensor):
                 raise ConfigError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.dtype != self.dtype:

@@ -47,6 +47,17 @@ def _encode_extra(key: Any) -> bytes:
     )
 
 
+def _parent_bytes(parent_hash: Any) -> bytes:
+    if isinstance(parent_hash, bool) or not isinstance(parent_hash, int) or not (
+        0 <= parent_hash < 2**128
+    ):
+        raise ConfigError(
+            f"parent_hash must be an int in [0, 2**128) (a block hash or ROOT_HASH), got "
+            f"{parent_hash!r}"
+        )
+    return parent_hash.to_bytes(16, "little")
+
+
 def hash_block(parent_hash: int, tokens: Any, extra_key: Any = None) -> int:
     """Hash one block: ``BLAKE2b-128(parent_hash || int64-LE token ids || extra_key)``.
 
@@ -54,7 +65,7 @@ def hash_block(parent_hash: int, tokens: Any, extra_key: Any = None) -> int:
     """
     arr = as_token_array(tokens)
     h = hashlib.blake2b(digest_size=16)
-    h.update(int(parent_hash).to_bytes(16, "little", signed=False))
+    h.update(_parent_bytes(parent_hash))
     h.update(arr.astype("<i8", copy=False).tobytes())
     h.update(_encode_extra(extra_key))
     return int.from_bytes(h.digest(), "little")
@@ -67,6 +78,7 @@ def block_hashes(tokens: Any, block_size: int, extra_key: Any = None,
         raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
     arr = as_token_array(tokens).astype("<i8", copy=False)
     extra = _encode_extra(extra_key)
+    _parent_bytes(parent_hash)
     out: list[int] = []
     parent = parent_hash
     for start in range(0, len(arr) - block_size + 1, block_size):
@@ -121,7 +133,8 @@ class PrefixTree:
         The parent (by ``block.parent_hash``) must be cached, or be `ROOT_HASH` / None.
         """
         if block._hash in self._blocks:
-            raise ConfigError(f"block hash {block._hash:#x} is already cached")
+            shown = f"{block._hash:#x}" if isinstance(block._hash, int) else repr(block._hash)
+            raise ConfigError(f"block hash {shown} is already cached")
         parent = None
         if block._parent is not None and block._parent != ROOT_HASH:
             parent = self._blocks.get(block._parent)

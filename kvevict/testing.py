@@ -79,7 +79,7 @@ def token_ids(max_len: int = 14, vocab: int = 3) -> st.SearchStrategy[list[int]]
     """Token id lists that often share prefixes: a shared system prompt plus a short tail
     from a tiny vocabulary."""
     tail = st.lists(st.integers(0, vocab - 1), min_size=0, max_size=max_len)
-    head = st.sampled_from(SYSTEM_PROMPTS + ((),))
+    head = st.sampled_from((*SYSTEM_PROMPTS, ()))
     return st.builds(lambda h, t: list(h) + t, head, tail).filter(lambda x: len(x) > 0)
 
 
@@ -182,7 +182,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert h not in held, f"evicted block {block.block_id} while a running sequence uses it"
         assert not any(p == h for p in self.cached.values()), "evicted a non-leaf block"
         if self.pins.get(h, -math.inf) > now:
-            for other, parent in self.cached.items():
+            for other in self.cached:
                 is_leaf = not any(p == other for p in self.cached.values())
                 if other != h and is_leaf and other not in held:
                     assert self.pins.get(other, -math.inf) > now, (

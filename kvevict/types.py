@@ -190,10 +190,27 @@ class BlockInfo:
     """
 
     __slots__ = (
-        "_id", "_hash", "_parent", "_depth", "_tokens", "_bytes", "_tier",
-        "_workload_class", "_session", "_created", "_last_access", "_last_access_tick",
-        "_hit_count", "_sharers", "_ref_count", "_retention", "_num_children",
-        "_created_by", "_last_hit_session", "_kind", "__weakref__",
+        "__weakref__",
+        "_bytes",
+        "_created",
+        "_created_by",
+        "_depth",
+        "_hash",
+        "_hit_count",
+        "_id",
+        "_kind",
+        "_last_access",
+        "_last_access_tick",
+        "_last_hit_session",
+        "_num_children",
+        "_parent",
+        "_ref_count",
+        "_retention",
+        "_session",
+        "_sharers",
+        "_tier",
+        "_tokens",
+        "_workload_class",
     )
 
     def __init__(self, block_id: int, block_hash: Any, parent: Any, depth: int,

@@ -577,7 +577,8 @@ def test_invalid_nbytes(bad):
         (
             {"model_type": "llama", "num_hidden_layers": 0, "num_attention_heads": 32,
              "hidden_size": 4096},
-            r"config field 'num_hidden_layers' \(model_type='llama'\) must be a positive int, got 0",
+            r"config field 'num_hidden_layers' \(model_type='llama'\) must be a positive int, "
+            "got 0",
         ),
         (
             {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 32,

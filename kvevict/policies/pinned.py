@@ -35,12 +35,14 @@ class RefcountPinned(Policy):
     """
 
     def __init__(self, inner: str | Policy = "lru", min_sharers: int = 3,
-                 window: float = 600.0, **inner_params: Any) -> None:
+                 window: float = 600.0, inner_params: dict[str, Any] | None = None) -> None:
         if isinstance(min_sharers, bool) or not isinstance(min_sharers, int) or min_sharers < 1:
             raise ConfigError(f"min_sharers must be an int >= 1, got {min_sharers!r}")
         if isinstance(window, bool) or not isinstance(window, (int, float)) or not window > 0:
             raise ConfigError(f"window must be a positive number of seconds, got {window!r}")
-        self.inner = make_policy(inner, **inner_params)
+        if inner_params is not None and not isinstance(inner_params, dict):
+            raise ConfigError(f"inner_params must be a dict, got {type(inner_params).__name__}")
+        self.inner = make_policy(inner, **(inner_params or {}))
         self.min_sharers = min_sharers
         self.window = float(window)
         self._protected: dict[int, tuple[float, int, int]] = {}

@@ -1,0 +1,31 @@
+"""The examples run as users run them, with their exact output."""
+
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_custom_policy_example_keeps_the_shared_system_prompt():
+    module = runpy.run_path(str(EXAMPLES / "custom_policy.py"))
+    assert module["victims"]("lru") == [("ann", 1), ("bob", 1), ("cy", 1), ("ann", 0),
+                                        ("dee", 1)]
+    assert module["victims"]("deep-first") == [("ann", 1), ("bob", 1), ("cy", 1), ("dee", 1),
+                                               ("dee", 0)]
+
+
+def test_custom_policy_is_at_most_twenty_lines():
+    source = (EXAMPLES / "custom_policy.py").read_text()
+    start = source.index('@register_policy("deep-first")')
+    end = source.index("\n\n\n", start)
+    assert len(source[start:end].splitlines()) <= 20
+
+
+def test_custom_policy_example_script_output():
+    out = subprocess.run([sys.executable, str(EXAMPLES / "custom_policy.py")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "deep-first: evicted (session, depth) = [('ann', 1), ('bob', 1), ('cy', 1), " \
+           "('dee', 1), ('dee', 0)]" in out
+    assert "stateful machine on deep-first: passed" in out
