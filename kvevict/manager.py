@@ -93,26 +93,19 @@ class LookupResult:
 
 
 class Sequence:
-    """A running (or preempted) sequence: its request, tokens and block table.
+    """A running (or preempted) sequence: its request, known tokens and block table.
 
     ``block_table[i]`` is the pool block holding tokens ``[i * block_size, (i+1) *
-    block_size)``. Read it; only the manager changes it.
+    block_size)``. ``num_tokens`` token slots are allocated (computed or being computed);
+    ``num_pending`` more are known but not yet allocated (the rest of a chunked prefill, or
+    a preempted sequence's tokens to recompute). Read it; only the manager changes it.
     """
 
-    __slots__ = (
-        "_generated",
-        "_hashes",
-        "_prompt",
-        "_tail",
-        "block_table",
-        "num_cached_tokens",
-        "num_tokens",
-        "request",
-        "seq_id",
-        "status",
-    )
+    __slots__ = ("seq_id", "request", "block_table", "num_tokens", "num_cached_tokens",
+                 "status", "_hashes", "_known", "_prompt_hashes", "_prompt_slots",
+                 "_num_generated")
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, prompt_hashes: list[Any], prompt_slots: int) -> None:
         self.seq_id = request.request_id
         self.request = request
         self.block_table: list[int] = []
@@ -121,24 +114,37 @@ class Sequence:
         self.num_cached_tokens = 0
         self.status = "running"
         self._hashes: list[Any] = []  # hash of each cached full block, in order
-        self._prompt = request.tokens
-        self._generated: list[int] = []
-        self._tail: list[int] = []  # tokens after the last full block (token mode)
+        # token mode: every known token id (prompt, then generated); None for hash mode
+        self._known: list[int] | None = (
+            None if request.tokens is None else request.tokens.tolist()
+        )
+        self._prompt_hashes = prompt_hashes
+        self._prompt_slots = prompt_slots
+        self._num_generated = 0
 
     @property
     def session_id(self) -> Any:
         return self.request.session_id
 
     @property
+    def num_known(self) -> int:
+        """Token slots known so far: the prompt's plus every appended token."""
+        return self._prompt_slots + self._num_generated
+
+    @property
+    def num_pending(self) -> int:
+        """Known token slots not yet allocated (to prefill or recompute)."""
+        return self.num_known - self.num_tokens
+
+    @property
     def tokens(self) -> list[int] | None:
-        """All token ids so far (prompt + appended), or None for a hash-only request."""
-        if self._prompt is None:
-            return None
-        return self._prompt.tolist() + self._generated
+        """All known token ids (prompt + appended), or None for a hash-only request."""
+        return None if self._known is None else list(self._known)
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id!r}, status={self.status}, tokens={self.num_tokens}, "
-                f"blocks={len(self.block_table)}, cached={self.num_cached_tokens})")
+                f"pending={self.num_pending}, blocks={len(self.block_table)}, "
+                f"cached={self.num_cached_tokens})")
 
 
 class KVCacheManager:
@@ -243,8 +249,12 @@ class KVCacheManager:
 
     # -- begin / resume --------------------------------------------------------------------
 
-    def begin(self, request: Request) -> Sequence:
+    def begin(self, request: Request, max_new_tokens: int | None = None) -> Sequence:
         """Start a request: reuse its cached prefix, allocate the rest, cache its full blocks.
+
+        With ``max_new_tokens`` only that many uncached prompt tokens are allocated now (a
+        chunked prefill); `prefill` allocates the rest later. The lookup always covers the
+        whole prompt.
 
         Raises `OutOfBlocks` (state unchanged) when even evicting every candidate would not
         free enough blocks, and `AdmissionDeferred` (state unchanged) when admission control
@@ -256,7 +266,7 @@ class KVCacheManager:
             raise ConfigError(f"a sequence with id {request.request_id!r} is already live")
         if request.prompt_len == 0:
             raise ConfigError(f"request {request.request_id!r} has an empty prompt")
-        seq = Sequence(request)
+        self._check_count("max_new_tokens", max_new_tokens)
         if request.block_hashes is not None:
             hashes = list(request.block_hashes)
             max_blocks = -(-request.prompt_len // self.block_size)
@@ -274,32 +284,51 @@ class KVCacheManager:
             slots = max(request.prompt_len, len(hashes) * self.block_size)
         else:
             hashes = block_hashes(request.tokens, self.block_size, self.extra_key)
-            seq._tail = request.tokens[len(hashes) * self.block_size:].tolist()
             slots = request.prompt_len
-        self._start(seq, hashes, slots, request.prompt_len)
+        seq = Sequence(request, hashes, slots)
+        self._start(seq, max_new_tokens, request.prompt_len)
         self._seqs[seq.seq_id] = seq
         return seq
 
-    def resume(self, seq_id: Any) -> Sequence:
-        """Bring a preempted sequence back: look up its tokens again, allocate the rest."""
+    def resume(self, seq_id: Any, max_new_tokens: int | None = None) -> Sequence:
+        """Bring a preempted sequence back: look up its known tokens again, allocate (up to
+        ``max_new_tokens`` uncached ones of) the rest; `prefill` allocates what remains."""
         seq = self.sequence(seq_id)
         if seq.status != "preempted":
             raise ConfigError(f"sequence {seq_id!r} is {seq.status}, not preempted")
-        if seq._prompt is None:
-            hashes = list(seq.request.block_hashes)  # appended blocks of a hash-only
-        else:                                        # request were never cached
-            hashes = list(seq._hashes)
-        self._start(seq, hashes, seq.num_tokens, seq.num_tokens)
+        self._check_count("max_new_tokens", max_new_tokens)
+        self._start(seq, max_new_tokens, seq.num_known)
         seq.status = "running"
         return seq
 
-    def _start(self, seq: Sequence, hashes: list[Any], num_tokens: int,
-               query_tokens: int) -> None:
-        """Hit, allocate and cache ``num_tokens`` token slots; ``query_tokens`` of them count
-        as prefix-cache queries."""
+    @staticmethod
+    def _check_count(name: str, value: Any) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+            raise ConfigError(f"{name} must be a non-negative int or None, got {value!r}")
+
+    def _known_hashes(self, seq: Sequence) -> list[Any]:
+        """Hashes of every full known block of ``seq`` (its lookup key on begin/resume)."""
+        hashes = list(seq._prompt_hashes)
+        if seq._known is None:
+            return hashes  # appended blocks of hash-only requests are never cached
         bs = self.block_size
+        n_full = len(seq._known) // bs
+        hashes.extend(seq._hashes[len(hashes):n_full])  # known from an earlier residency
+        while len(hashes) < n_full:
+            d = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(block_hashes(seq._known[d * bs:(d + 1) * bs], bs, self.extra_key,
+                                       parent)[0])
+        return hashes
+
+    def _start(self, seq: Sequence, max_new_tokens: int | None, query_tokens: int) -> None:
+        """Hit the cached prefix of ``seq``'s known tokens, then allocate up to
+        ``max_new_tokens`` more; ``query_tokens`` count as prefix-cache queries."""
+        bs = self.block_size
+        hashes = self._known_hashes(seq)
         hit = self.tree.longest_prefix(hashes)
-        if seq._prompt is None:  # hash ids from a trace: check they are chained
+        if seq._known is None:  # hash ids from a trace: check they are chained
             parent = ROOT_HASH
             for h, block in zip(hashes, hit, strict=False):
                 if block._parent != parent:
@@ -316,8 +345,10 @@ class KVCacheManager:
                         f"request {seq.seq_id!r}: block id {h!r} is cached but an earlier "
                         "id of this request is not; block_hashes must be prefix-chained"
                     )
-        total = -(-num_tokens // bs)
-        need = total - len(hit)
+        known = seq.num_known
+        hit_tokens = min(len(hit) * bs, known)
+        target = known if max_new_tokens is None else min(known, hit_tokens + max_new_tokens)
+        need = -(-target // bs) - len(hit)
         hit_free = sum(1 for b in hit if b._ref_count == 0)
         available = self.pool.num_free + self._num_evictable - hit_free
         if need > available:
@@ -334,6 +365,7 @@ class KVCacheManager:
             self._acquire(block, now)
         seq.block_table = [b._id for b in hit]
         seq._hashes = [b._hash for b in hit]
+        seq.num_tokens = hit_tokens
         try:
             evictions = need - pool.num_free
             if evictions > 0:
@@ -357,82 +389,118 @@ class KVCacheManager:
                 if retention is not None:
                     block._retention = retention
                 self.policy.on_hit(block, now)
-            for _ in range(need):
-                seq.block_table.append(pool.allocate())
-            self.stats.allocated_blocks += need
-            for depth in range(len(hit), len(hashes)):
-                self._cache_block(seq, depth, hashes[depth], now, "prefill")
+            self._allocate_to(seq, target, now, "prefill")
             self.admission.on_admitted(seq.request, now)
         except BaseException:
             # undo: release what the sequence holds (cached blocks become candidates)
             self._release_all(seq, now, touch=False)
             seq._hashes = old_hashes
+            seq.num_tokens = 0
             raise
-        seq.num_tokens = num_tokens
-        cached_tokens = min(len(hit) * bs, query_tokens)
-        seq.num_cached_tokens = cached_tokens
+        seq.num_cached_tokens = hit_tokens
         stats = self.stats
         stats.requests += 1
         stats.prefix_cache_queries += query_tokens
-        stats.prefix_cache_hits += cached_tokens
+        stats.prefix_cache_hits += min(hit_tokens, query_tokens)
         stats.block_queries += len(hashes)
         stats.block_hits += len(hit)
-        used = pool.num_used
-        if used > stats.peak_blocks_used:
-            stats.peak_blocks_used = used
 
-    # -- append ----------------------------------------------------------------------------
+    # -- growth: prefill chunks and decode appends -----------------------------------------
+
+    def prefill(self, seq_id: Any, num_tokens: int | None = None) -> list[int]:
+        """Allocate the next ``num_tokens`` (default: all) pending tokens of a running
+        sequence (a prefill chunk, or recompute after `resume`); return new block ids.
+
+        Raises `OutOfBlocks` (state unchanged) when the blocks cannot be freed.
+        """
+        seq = self.sequence(seq_id)
+        if seq.status != "running":
+            raise ConfigError(f"sequence {seq_id!r} is {seq.status}; resume it first")
+        pending = seq.num_pending
+        if num_tokens is None:
+            num_tokens = pending
+        self._check_count("num_tokens", num_tokens)
+        if num_tokens > pending:
+            raise ConfigError(f"sequence {seq_id!r} has {pending} pending tokens; cannot "
+                              f"prefill {num_tokens}")
+        return self._grow(seq, seq.num_tokens + num_tokens, None, "prefill")
 
     def append(self, seq_id: Any, tokens: Any) -> list[int]:
-        """Append tokens to a running sequence; return the ids of blocks it newly allocated.
+        """Append decoded tokens to a running sequence; return ids of newly allocated blocks.
 
         ``tokens`` are token ids (1-D ints). For a request given as ``block_hashes`` (no
-        token ids) pass a count instead; its appended blocks are not cached.
-        Raises `OutOfBlocks` (state unchanged) when the new blocks cannot be freed.
+        token ids) pass a count instead; its appended blocks are not cached. Decode appends
+        are not hits. Raises `OutOfBlocks` (state unchanged) when the blocks cannot be freed.
         """
         seq = self.sequence(seq_id)
         if seq.status != "running":
             raise ConfigError(f"sequence {seq_id!r} is {seq.status}; resume it before appending")
-        if seq._prompt is None:
+        if seq._known is None:
             if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
                 raise ConfigError(
                     f"sequence {seq_id!r} was given as block hashes; append a token count "
                     f"(a non-negative int), got {type(tokens).__name__}"
                 )
-            n, new_tokens = tokens, None
+            new_tokens: list[int] | None = None
+            n = tokens
         else:
             new_tokens = as_token_array(tokens).tolist()
             n = len(new_tokens)
+        if seq.num_pending:
+            raise ConfigError(f"sequence {seq_id!r} still has {seq.num_pending} prompt tokens "
+                              "to prefill; call prefill() before appending")
+        return self._grow(seq, seq.num_tokens + n, new_tokens, "decode")
+
+    def _grow(self, seq: Sequence, target: int, new_tokens: list[int] | None,
+              created_by: str) -> list[int]:
         bs = self.block_size
-        need = -(-(seq.num_tokens + n) // bs) - len(seq.block_table)
-        if need > self.pool.num_free + self._num_evictable:
+        need = -(-target // bs) - len(seq.block_table)
+        available = self.pool.num_free + self._num_evictable
+        if need > available:
             raise OutOfBlocks(
-                f"sequence {seq_id!r} needs {need} more blocks but only "
-                f"{self.pool.num_free + self._num_evictable} can be freed",
-                needed=need, available=self.pool.num_free + self._num_evictable,
+                f"sequence {seq.seq_id!r} needs {need} more blocks but only {available} can "
+                "be freed", needed=need, available=available,
             )
         now = self._now()
         if need > 0:
             self._evict(need - self.pool.num_free, now)
-        new_ids = [self.pool.allocate() for _ in range(max(need, 0))]
-        seq.block_table.extend(new_ids)
-        self.stats.allocated_blocks += len(new_ids)
-        seq.num_tokens += n
-        if new_tokens is not None:
-            seq._generated.extend(new_tokens)
-            tail = seq._tail
-            tail.extend(new_tokens)
-            while len(tail) >= bs:
-                depth = len(seq._hashes)
-                parent = seq._hashes[-1] if seq._hashes else ROOT_HASH
-                full, seq._tail = tail[:bs], tail[bs:]
-                tail = seq._tail
-                h = block_hashes(full, bs, self.extra_key, parent)[0]
-                self._cache_block(seq, depth, h, now, "decode")
-        used = self.pool.num_used
+        if target > seq.num_known:  # decode appends make new tokens known
+            seq._num_generated += target - seq.num_known
+            if new_tokens is not None:
+                seq._known.extend(new_tokens)  # type: ignore[union-attr]
+        before = len(seq.block_table)
+        self._allocate_to(seq, target, now, created_by)
+        return seq.block_table[before:]
+
+    def _allocate_to(self, seq: Sequence, target: int, now: float, created_by: str) -> None:
+        """Allocate blocks until ``target`` token slots are covered (the caller evicted
+        enough), then cache every block that became full."""
+        pool = self.pool
+        bs = self.block_size
+        need = -(-target // bs) - len(seq.block_table)
+        for _ in range(need):
+            seq.block_table.append(pool.allocate())
+        if need > 0:
+            self.stats.allocated_blocks += need
+        seq.num_tokens = target
+        if seq._known is None:  # hash mode: listed blocks are cacheable when computed
+            listed = seq._prompt_hashes
+            done = len(listed) if target >= seq._prompt_slots else target // bs
+            for depth in range(len(seq._hashes), min(done, len(listed))):
+                self._cache_block(seq, depth, listed[depth], now, created_by)
+        else:
+            prompt_hashes = seq._prompt_hashes
+            for depth in range(len(seq._hashes), target // bs):
+                if depth < len(prompt_hashes):
+                    h = prompt_hashes[depth]
+                else:
+                    parent = seq._hashes[-1] if seq._hashes else ROOT_HASH
+                    h = block_hashes(seq._known[depth * bs:(depth + 1) * bs], bs,  # type: ignore
+                                     self.extra_key, parent)[0]
+                self._cache_block(seq, depth, h, now, created_by)
+        used = pool.num_used
         if used > self.stats.peak_blocks_used:
             self.stats.peak_blocks_used = used
-        return new_ids
 
     def _cache_block(self, seq: Sequence, depth: int, block_hash: Any, now: float,
                      created_by: str) -> None:
@@ -449,33 +517,26 @@ class KVCacheManager:
             return
         self._tick += 1
         parent = seq._hashes[depth - 1] if depth else ROOT_HASH
-        tokens = None if seq._prompt is None else self._block_tokens(seq, depth)
-        kinds = seq.request.block_kinds
-        if created_by == "decode":
-            kind = "output"
-        elif kinds is not None and depth < len(kinds):
-            kind = kinds[depth]
+        bs = self.block_size
+        end = (depth + 1) * bs
+        request = seq.request
+        tokens = None
+        if seq._known is not None:
+            tokens = np.asarray(seq._known[depth * bs:end], dtype=np.int64)
+        if end > request.prompt_len and seq._known is not None:
+            kind = "output"  # holds generated tokens
         else:
-            kind = "prompt"
+            kinds = request.block_kinds
+            kind = kinds[depth] if kinds is not None and depth < len(kinds) else "prompt"
         block = BlockInfo(block_id, block_hash, parent, depth, tokens, self.pool.bytes_per_block,
-                          seq.request.workload_class, seq.request.session_id, now, self._tick,
-                          seq.request.retention, created_by, kind)
+                          request.workload_class, request.session_id, now, self._tick,
+                          request.retention, created_by, kind)
         block._ref_count = 1
         self.tree.insert(block)  # the parent is held by seq, so no candidate changes
         self._records[block_id] = block
         seq._hashes.append(block_hash)
         self.stats.inserted_blocks += 1
         self.policy.on_insert(block, now)
-
-    def _block_tokens(self, seq: Sequence, depth: int) -> np.ndarray:
-        """Token ids of block ``depth`` of a token-mode sequence."""
-        start, end = depth * self.block_size, (depth + 1) * self.block_size
-        prompt = seq._prompt
-        if end <= len(prompt):
-            return prompt[start:end]
-        head = prompt[start:].tolist() if start < len(prompt) else []
-        lo = max(0, start - len(prompt))
-        return np.asarray(head + seq._generated[lo:end - len(prompt)], dtype=np.int64)
 
     # -- release ---------------------------------------------------------------------------
 

@@ -113,10 +113,11 @@ def _kv_value(parent_hash: int, tokens: list[int]) -> float:
 
 
 class _ModelSeq:
-    def __init__(self, seq_id: int, tokens: list[int], session: Any) -> None:
+    def __init__(self, seq_id: int, tokens: list[int], session: Any, allocated: int) -> None:
         self.seq_id = seq_id
-        self.tokens = tokens
+        self.tokens = tokens  # every known token
         self.session = session
+        self.allocated = allocated  # token slots allocated (a chunked prefill may lag)
         self.running = True
 
 
@@ -171,8 +172,8 @@ class CacheMachine(RuleBasedStateMachine):
         partial = 0
         for s in self.seqs.values():
             if s.running:
-                held.update(self._hashes(s.tokens))
-                partial += 1 if len(s.tokens) % self.block_size else 0
+                held.update(self._hashes(s.tokens[:s.allocated]))
+                partial += 1 if s.allocated % self.block_size else 0
         return held, partial
 
     def _on_evict(self, block: BlockInfo, now: float) -> None:
@@ -199,15 +200,16 @@ class CacheMachine(RuleBasedStateMachine):
             self.cached.setdefault(h, parent)
             parent = h
 
-    def _write_kv(self, seq_id: int, start: int) -> None:
-        """What an engine does: write KV for tokens ``start..`` into the sequence's blocks."""
+    def _write_kv(self, model: _ModelSeq, start: int) -> None:
+        """What an engine does: write KV for allocated tokens ``start..`` into the
+        sequence's blocks."""
         if not self.tensor:
             return
-        seq = self.manager.sequence(seq_id)
-        tokens = self.seqs[seq_id].tokens
+        seq = self.manager.sequence(model.seq_id)
+        tokens = model.tokens
         hashes = [ROOT_HASH, *self._hashes(tokens)]
         bs = self.block_size
-        for pos in range(start, len(tokens)):
+        for pos in range(start, model.allocated):
             d, slot = divmod(pos, bs)
             v = _kv_value(hashes[d], tokens[d * bs:pos + 1])
             key = torch.full((1, 1, 2), v)
@@ -217,38 +219,75 @@ class CacheMachine(RuleBasedStateMachine):
     # -- rules -----------------------------------------------------------------------------
 
     @rule(target=running, tokens=token_ids(), session=st.integers(0, 4),
-          cls=st.sampled_from(WORKLOAD_CLASSES), hint=retention_hints())
-    def begin(self, tokens: list[int], session: int, cls: str, hint: RetentionHint | None):
+          cls=st.sampled_from(WORKLOAD_CLASSES), hint=retention_hints(),
+          chunk=st.one_of(st.none(), st.integers(0, 6)))
+    def begin(self, tokens: list[int], session: int, cls: str, hint: RetentionHint | None,
+              chunk: int | None):
         seq_id = self.next_id
         self.next_id += 1
-        hashes = self._hashes(tokens)
-        hits = self._model_hits(tokens)
-        held, partial = self._held()
-        need = -(-len(tokens) // self.block_size) - hits
-        in_use = len(held | set(hashes[:hits])) + partial
-        expect_oob = need > self.num_blocks - in_use
         request = Request(seq_id, tokens=tokens, session_id=session, workload_class=cls,
                           retention=hint)
+        model = _ModelSeq(seq_id, list(tokens), session, 0)
+        seq = self._start(model, lambda: self.manager.begin(request, max_new_tokens=chunk),
+                          chunk)
+        if seq is None:
+            return multiple()
+        self.seqs[seq_id] = model
+        return seq_id
+
+    def _start(self, model: _ModelSeq, call: Callable[[], Any], chunk: int | None) -> Any:
+        """Run a begin/resume, predicting its hits and whether it must fail."""
+        tokens = model.tokens
+        hashes = self._hashes(tokens)
+        hits = self._model_hits(tokens)
+        hit_tokens = min(hits * self.block_size, len(tokens))
+        target = len(tokens) if chunk is None else min(len(tokens), hit_tokens + chunk)
+        held, partial = self._held()
+        need = -(-target // self.block_size) - hits
+        in_use = len(held | set(hashes[:hits])) + partial
+        expect_oob = need > self.num_blocks - in_use
         self.pending_hold = set(hashes[:hits])
         try:
-            seq = self.manager.begin(request)
+            seq = call()
         except OutOfBlocks:
             assert expect_oob, "OutOfBlocks although the model could free enough blocks"
-            return multiple()
+            return None
         finally:
             self.pending_hold = set()
-        assert not expect_oob, "begin succeeded although the model expected OutOfBlocks"
-        assert seq.num_cached_tokens == hits * self.block_size
-        self.seqs[seq_id] = _ModelSeq(seq_id, list(tokens), session)
-        self._insert_chain(tokens)
-        self._write_kv(seq_id, hits * self.block_size)
-        return seq_id
+        assert not expect_oob, "begin/resume succeeded although the model expected OutOfBlocks"
+        assert seq.num_cached_tokens == hit_tokens
+        model.allocated = target
+        model.running = True
+        self._insert_chain(tokens[:target])
+        self._write_kv(model, hit_tokens)
+        return seq
+
+    @rule(seq_id=running, n=st.one_of(st.none(), st.integers(1, 6)))
+    def prefill(self, seq_id: int, n: int | None):
+        model = self.seqs.get(seq_id)
+        if model is None or not model.running or model.allocated == len(model.tokens):
+            return
+        pending = len(model.tokens) - model.allocated
+        n = pending if n is None else min(n, pending)
+        old = model.allocated
+        held, partial = self._held()
+        need = -(-(old + n) // self.block_size) - -(-old // self.block_size)
+        expect_oob = need > self.num_blocks - len(held) - partial
+        try:
+            self.manager.prefill(seq_id, n)
+        except OutOfBlocks:
+            assert expect_oob, "OutOfBlocks on prefill although blocks could be freed"
+            return
+        assert not expect_oob, "prefill succeeded although the model expected OutOfBlocks"
+        model.allocated = old + n
+        self._insert_chain(model.tokens[:model.allocated])
+        self._write_kv(model, old)
 
     @rule(seq_id=running, tokens=st.lists(st.integers(0, 2), min_size=1, max_size=6))
     def append(self, seq_id: int, tokens: list[int]):
-        if seq_id not in self.seqs or not self.seqs[seq_id].running:
+        model = self.seqs.get(seq_id)
+        if model is None or not model.running or model.allocated < len(model.tokens):
             return
-        model = self.seqs[seq_id]
         held, partial = self._held()
         old = len(model.tokens)
         need = -(-(old + len(tokens)) // self.block_size) - -(-old // self.block_size)
@@ -260,8 +299,9 @@ class CacheMachine(RuleBasedStateMachine):
             return
         assert not expect_oob, "append succeeded although the model expected OutOfBlocks"
         model.tokens.extend(tokens)
+        model.allocated = len(model.tokens)
         self._insert_chain(model.tokens)
-        self._write_kv(seq_id, old)
+        self._write_kv(model, old)
 
     @rule(seq_id=st.one_of(consumes(running), consumes(preempted)))
     def finish(self, seq_id: int):
@@ -276,33 +316,21 @@ class CacheMachine(RuleBasedStateMachine):
             return multiple()
         self.manager.preempt(seq_id)
         self.seqs[seq_id].running = False
+        self.seqs[seq_id].allocated = 0
         return seq_id
 
-    @rule(target=running, seq_id=consumes(preempted))
-    def resume(self, seq_id: int):
-        if seq_id not in self.seqs:
+    @rule(target=running, seq_id=consumes(preempted),
+          chunk=st.one_of(st.none(), st.integers(0, 6)))
+    def resume(self, seq_id: int, chunk: int | None):
+        model = self.seqs.get(seq_id)
+        if model is None:
             return multiple()
-        model = self.seqs[seq_id]
-        hashes = self._hashes(model.tokens)
-        hits = self._model_hits(model.tokens)
-        held, partial = self._held()
-        need = -(-len(model.tokens) // self.block_size) - hits
-        expect_oob = need > self.num_blocks - len(held | set(hashes[:hits])) - partial
-        self.pending_hold = set(hashes[:hits])
-        try:
-            seq = self.manager.resume(seq_id)
-        except OutOfBlocks:
-            assert expect_oob, "OutOfBlocks on resume although blocks could be freed"
-            self.manager.finish(seq_id)  # give up on it
+        seq = self._start(model, lambda: self.manager.resume(seq_id, max_new_tokens=chunk),
+                          chunk)
+        if seq is None:  # out of blocks: give up on it
+            self.manager.finish(seq_id)
             del self.seqs[seq_id]
             return multiple()
-        finally:
-            self.pending_hold = set()
-        assert not expect_oob
-        assert seq.num_cached_tokens == hits * self.block_size
-        model.running = True
-        self._insert_chain(model.tokens)
-        self._write_kv(seq_id, hits * self.block_size)
         return seq_id
 
     @rule(tokens=token_ids(), until=st.one_of(st.none(), st.floats(0, 40)))
@@ -363,8 +391,9 @@ class CacheMachine(RuleBasedStateMachine):
             if not model.running:
                 assert seq.block_table == []
                 continue
-            assert len(seq.block_table) == -(-len(model.tokens) // self.block_size)
-            for d, h in enumerate(self._hashes(model.tokens)):
+            assert seq.num_tokens == model.allocated
+            assert len(seq.block_table) == -(-model.allocated // self.block_size)
+            for d, h in enumerate(self._hashes(model.tokens[:model.allocated])):
                 block = self.manager.block(seq.block_table[d])
                 assert block is not None and block.block_hash == h
                 assert block.ref_count >= 1

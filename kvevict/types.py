@@ -96,6 +96,10 @@ class Request:
     or system text), ``"context"`` (a tool result or retrieved document) or ``"output"`` (a
     previous model answer fed back). Untagged prompt blocks are ``"prompt"``; blocks filled by
     decoding are ``"output"``.
+
+    ``output_tokens`` optionally fixes the ids a simulated decode produces (``output_len`` of
+    them), so that the next turn of a conversation, whose prompt repeats this answer, hits
+    the blocks its decode cached.
     """
 
     request_id: Any
@@ -109,6 +113,7 @@ class Request:
     block_hashes: tuple | None = attrs.field(default=None)
     num_tokens: int | None = attrs.field(default=None)
     block_kinds: tuple | None = attrs.field(default=None)
+    output_tokens: np.ndarray | None = attrs.field(default=None, converter=_tokens_converter)
     extra: dict = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
@@ -166,6 +171,11 @@ class Request:
             raise ConfigError(
                 f"request {self.request_id!r}: output_len must be a non-negative int, "
                 f"got {self.output_len!r}"
+            )
+        if self.output_tokens is not None and len(self.output_tokens) != self.output_len:
+            raise ConfigError(
+                f"request {self.request_id!r}: {len(self.output_tokens)} output_tokens but "
+                f"output_len={self.output_len}"
             )
         if self.retention is not None and not isinstance(self.retention, RetentionHint):
             raise ConfigError(
