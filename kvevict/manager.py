@@ -776,7 +776,7 @@ class KVCacheManager:
                 fail(f"cached block {block._id} is on the free list")
             if block._ref_count != pool._ref[block._id]:
                 fail(f"block {block._id}: record ref {block._ref_count} != pool ref")
-            if block._parent not in (None, ROOT_HASH):
+            if block._depth > 0:
                 if block._parent not in tree:
                     fail(f"prefix closure: block {block._id}'s parent is not cached")
                 children[block._parent] = children.get(block._parent, 0) + 1

@@ -130,13 +130,14 @@ class PrefixTree:
     def insert(self, block: BlockInfo) -> BlockInfo | None:
         """Register ``block``; return its parent if the parent just stopped being a leaf.
 
-        The parent (by ``block.parent_hash``) must be cached, or be `ROOT_HASH` / None.
+        A block at depth > 0 needs its parent (by ``block.parent_hash``) cached; a block at
+        depth 0 has none (whatever its parent hash says: trace ids may equal `ROOT_HASH`).
         """
         if block._hash in self._blocks:
             shown = f"{block._hash:#x}" if isinstance(block._hash, int) else repr(block._hash)
             raise ConfigError(f"block hash {shown} is already cached")
         parent = None
-        if block._parent is not None and block._parent != ROOT_HASH:
+        if block._depth > 0:
             parent = self._blocks.get(block._parent)
             if parent is None:
                 raise ConfigError(
@@ -159,7 +160,7 @@ class PrefixTree:
             )
         del self._blocks[block._hash]
         self.candidates.pop(block._id, None)
-        if block._parent is not None and block._parent != ROOT_HASH:
+        if block._depth > 0:
             parent = self._blocks[block._parent]
             parent._num_children -= 1
             if parent._num_children == 0:

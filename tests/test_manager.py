@@ -758,3 +758,22 @@ def test_policy_raising_in_on_hit_leaves_cache_consistent(clock):
     assert "b" not in m.sequences
     m.check()
     assert m.pool.ref_count(0) == 0
+
+
+def test_trace_block_id_zero_is_a_block_not_the_root(clock):
+    """Mooncake's first block id is 0 == ROOT_HASH: it must still be its child's parent."""
+    from kvevict.policies.base import ScoredPolicy
+
+    class LowestHashFirst(ScoredPolicy):
+        def score(self, block, now):
+            return block.block_hash
+
+    m = KVCacheManager(BlockPool(2, 4), LowestHashFirst(), clock=clock)
+    m.begin(Request(1, block_hashes=[0, 1], num_tokens=8))
+    m.finish(1)
+    m.begin(Request(2, block_hashes=[5], num_tokens=4))
+    m.finish(2)
+    assert sorted(b.block_hash for b in m.tree) == [0, 5]  # the leaf 1 went, not its parent 0
+    m.check()
+    assert m.begin(Request(3, block_hashes=[0, 1], num_tokens=8)).num_cached_tokens == 4
+    m.check()

@@ -1,0 +1,258 @@
+"""Read and write the Mooncake trace format (FAST'25, kvcache-ai/Mooncake).
+
+One JSON object per line::
+
+    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 48]}
+
+- ``timestamp``: arrival time in milliseconds (int or float, >= 0, non-decreasing);
+- ``input_length``: prompt tokens (int >= 1);
+- ``output_length``: generated tokens (int >= 0);
+- ``hash_ids``: prefix-chained ids (ints >= 0, distinct within a line) of the prompt's
+  512-token blocks, the last one possibly partial. Two requests whose lists share a leading
+  run share that prefix; an id always follows the same parent id, in every line.
+
+Each line becomes a hash-mode `Request`: ``request_id`` = the record's 0-based index (blank
+lines are skipped and not counted), ``block_hashes`` = ``hash_ids``, ``arrival`` =
+``timestamp / 1000`` (seconds), ``output_len`` = ``output_length``, ``workload_class`` =
+``"chat"`` and ``session_id`` = None (the format has no sessions).
+
+**Prompt length.** Every listed id is one cacheable block, so the prompt must reach into its
+last listed block: ``num_tokens = max(input_length, block_size * (len(hash_ids) - 1) + 1)``.
+When that raises ``input_length`` (a trace whose lengths and ids disagree), the original
+value is kept in ``request.extra["input_length"]`` and `write_mooncake` writes it back. Tokens
+beyond ``block_size * len(hash_ids)`` (a trace listing fewer ids than its length needs) are a
+tail that is allocated but never cached. The bundled trace needs neither: its lengths and ids
+agree on every line (121,877 listed blocks).
+
+Malformed input raises `TraceFormatError` naming the file, the line and the field: invalid
+JSON, a missing field, a wrong type, a negative number, a timestamp smaller than the previous
+line's (the format lists requests in arrival order, and a replay relies on it), an id
+repeated within a line, or an id that follows a different parent than on an earlier line (the
+ids would not be prefix-chained). Unknown extra fields are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from kvevict.errors import ConfigError, TraceFormatError
+from kvevict.prefix import block_hashes as _token_block_hashes
+from kvevict.types import Request
+
+__all__ = [
+    "BUNDLED_TRACES",
+    "MOONCAKE_BLOCK_SIZE",
+    "bundled_trace_path",
+    "iter_mooncake",
+    "read_mooncake",
+    "write_mooncake",
+]
+
+#: Tokens per block of the Mooncake traces' ``hash_ids``.
+MOONCAKE_BLOCK_SIZE = 512
+
+#: Traces shipped inside the package (``kvevict/data/``), by name.
+BUNDLED_TRACES = {"mooncake": "mooncake_synthetic_trace.jsonl"}
+
+_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+def bundled_trace_path(name: str = "mooncake") -> Path:
+    """Path of a trace shipped with kvevict, e.g. ``bundled_trace_path("mooncake")``.
+
+    ``"mooncake"`` is the synthetic trace published with Mooncake (3,993 requests, Apache-2.0;
+    attribution in ``kvevict/data/README.md``).
+    """
+    if name not in BUNDLED_TRACES:
+        raise ConfigError(
+            f"unknown bundled trace {name!r}; valid names: {', '.join(sorted(BUNDLED_TRACES))}"
+        )
+    path = Path(__file__).resolve().parents[1] / "data" / BUNDLED_TRACES[name]
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"bundled trace {name!r} is missing at {path}; the kvevict installation lacks its "
+            "package data (kvevict/data/*.jsonl)"
+        )
+    return path
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_line(text: str, path: str, line: int, index: int, block_size: int,
+                workload_class: str) -> tuple[Request, int | float]:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"not valid JSON ({exc.msg} at column {exc.colno}); expected "
+                               "one JSON object per line", path=path, line=line) from None
+    if not isinstance(obj, dict):
+        raise TraceFormatError(f"expected a JSON object, got {type(obj).__name__}",
+                               path=path, line=line)
+    for name in _FIELDS:
+        if name not in obj:
+            raise TraceFormatError(
+                f"missing; each line needs {', '.join(_FIELDS)}", path=path, line=line,
+                field=name,
+            )
+
+    def bad(field: str, what: str) -> TraceFormatError:
+        return TraceFormatError(f"expected {what}, got {obj[field]!r}", path=path, line=line,
+                                field=field)
+
+    ts = obj["timestamp"]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) \
+            or ts < 0:
+        raise bad("timestamp", "a non-negative number of milliseconds")
+    input_length = obj["input_length"]
+    if not _is_int(input_length) or input_length < 1:
+        raise bad("input_length", "a positive integer (prompt tokens)")
+    output_length = obj["output_length"]
+    if not _is_int(output_length) or output_length < 0:
+        raise bad("output_length", "a non-negative integer (generated tokens)")
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list):
+        raise bad("hash_ids", "a list of non-negative integer block ids")
+    for h in ids:
+        if not _is_int(h) or h < 0:
+            raise TraceFormatError(
+                f"expected non-negative integer block ids, got {h!r} in the list",
+                path=path, line=line, field="hash_ids",
+            )
+    if len(set(ids)) != len(ids):
+        raise TraceFormatError("an id repeats within the list; expected prefix-chained "
+                               "distinct block ids", path=path, line=line, field="hash_ids")
+    num_tokens = input_length
+    extra: dict[str, Any] = {}
+    if ids:
+        least = block_size * (len(ids) - 1) + 1
+        if num_tokens < least:
+            num_tokens = least
+            extra["input_length"] = input_length
+    request = Request(index, block_hashes=ids, num_tokens=num_tokens, arrival=ts / 1000,
+                      output_len=output_length, workload_class=workload_class, extra=extra)
+    return request, ts
+
+
+def iter_mooncake(path: str | os.PathLike[str], *, block_size: int = MOONCAKE_BLOCK_SIZE,
+                  workload_class: str = "chat") -> Iterator[Request]:
+    """Yield the requests of a Mooncake trace one at a time (see the module docstring).
+
+    Args:
+        path: the ``.jsonl`` file.
+        block_size: tokens per listed block (512 in the published traces).
+        workload_class: the class every request is tagged with.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
+    if not isinstance(workload_class, str) or not workload_class:
+        raise ConfigError(f"workload_class must be a non-empty string, got {workload_class!r}")
+    name = os.fspath(path)
+    parents: dict[int, tuple[int | None, int]] = {}  # id -> (parent id, first line seen)
+    last_ts = -math.inf
+    index = 0
+    with open(name, "rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceFormatError(f"not UTF-8 text ({exc.reason} at byte {exc.start})",
+                                       path=name, line=line_no) from None
+            if not text.strip():
+                continue
+            req, ts = _parse_line(text, name, line_no, index, block_size, workload_class)
+            if ts < last_ts:
+                raise TraceFormatError(
+                    f"{ts:g} ms is earlier than the previous line's {last_ts:g} ms; expected "
+                    "requests in arrival order (non-decreasing timestamps)",
+                    path=name, line=line_no, field="timestamp",
+                )
+            last_ts = ts
+            parent = None
+            for h in req.block_hashes:  # type: ignore[union-attr]
+                seen = parents.get(h)
+                if seen is None:
+                    parents[h] = (parent, line_no)
+                elif seen[0] != parent:
+                    where = "first in the list" if parent is None else f"after id {parent}"
+                    before = "first" if seen[0] is None else f"after id {seen[0]}"
+                    raise TraceFormatError(
+                        f"id {h} comes {where} here but {before} on line {seen[1]}; "
+                        "expected prefix-chained ids (each id always follows the same parent)",
+                        path=name, line=line_no, field="hash_ids",
+                    )
+                parent = h
+            index += 1
+            yield req
+
+
+def read_mooncake(path: str | os.PathLike[str], *, block_size: int = MOONCAKE_BLOCK_SIZE,
+                  workload_class: str = "chat") -> list[Request]:
+    """All requests of a Mooncake trace, in file order (see `iter_mooncake`)."""
+    return list(iter_mooncake(path, block_size=block_size, workload_class=workload_class))
+
+
+def _timestamp_ms(arrival: float) -> int | float:
+    ms = float(arrival) * 1000
+    nearest = round(ms)
+    return int(nearest) if abs(ms - nearest) < 1e-6 else ms
+
+
+def write_mooncake(requests: Iterable[Request], path: str | os.PathLike[str], *,
+                   block_size: int = MOONCAKE_BLOCK_SIZE) -> int:
+    """Write requests as a Mooncake trace; return how many lines were written.
+
+    Hash-mode requests keep their ``block_hashes`` (they must be non-negative ints). A
+    token-mode request lists its full ``block_size``-token blocks, hashed as the manager does
+    and renumbered densely from one past the largest id any hash-mode request uses, so shared
+    prefixes stay shared. ``timestamp`` is ``arrival * 1000`` (an int when whole);
+    ``input_length`` is the prompt length (or ``extra["input_length"]`` when the reader had to
+    raise it). Requests must be in arrival order.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
+    reqs = list(requests)
+    next_id = 0
+    for req in reqs:
+        if not isinstance(req, Request):
+            raise ConfigError(f"write_mooncake takes Requests, got {type(req).__name__}")
+        if req.block_hashes is not None:
+            for h in req.block_hashes:
+                if not _is_int(h) or h < 0:
+                    raise ConfigError(
+                        f"request {req.request_id!r}: the Mooncake format needs non-negative "
+                        f"int block ids, got {h!r}"
+                    )
+                next_id = max(next_id, h + 1)
+    dense: dict[int, int] = {}
+    last = -math.inf
+    count = 0
+    with open(os.fspath(path), "w", encoding="utf-8") as fh:
+        for req in reqs:
+            if req.arrival < last:
+                raise ConfigError(
+                    f"request {req.request_id!r}: arrival {req.arrival} precedes the previous "
+                    f"request's {last}; write requests in arrival order"
+                )
+            last = req.arrival
+            if req.block_hashes is not None:
+                ids = [int(h) for h in req.block_hashes]
+            else:
+                ids = []
+                for h in _token_block_hashes(req.tokens, block_size):
+                    if h not in dense:
+                        dense[h] = next_id
+                        next_id += 1
+                    ids.append(dense[h])
+            input_length = req.extra.get("input_length", req.prompt_len)
+            record = {"timestamp": _timestamp_ms(req.arrival), "input_length": int(input_length),
+                      "output_length": int(req.output_len), "hash_ids": ids}
+            fh.write(json.dumps(record, separators=(", ", ": ")) + "\n")
+            count += 1
+    return count

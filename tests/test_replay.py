@@ -1,0 +1,357 @@
+"""The block-level replay on the bundled Mooncake trace, and the Mooncake reader and writer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from kvevict import ConfigError, Request, TraceFormatError, available_policies, make_policy
+from kvevict.policies.belady import Belady
+from kvevict.replay import ReplayTable, format_table, main, replay, replay_table
+from kvevict.workloads import (
+    MOONCAKE_BLOCK_SIZE,
+    bundled_trace_path,
+    iter_mooncake,
+    read_mooncake,
+    write_mooncake,
+)
+
+SIZES = (1000, 2000, 5000, 10000, 20000)
+
+#: An independent replay with the same semantics (issue text): LRU must be within 0.01.
+REFERENCE_LRU = (0.083, 0.148, 0.289, 0.430, 0.575)
+
+#: Our block hit ratios (4 decimals) on the bundled trace; `python -m kvevict.replay`.
+GOLDEN = {
+    "belady": (0.2691, 0.3742, 0.5256, 0.6174, 0.6396),
+    "lfu": (0.0501, 0.1130, 0.2049, 0.3622, 0.5916),
+    "lru": (0.0841, 0.1464, 0.2793, 0.4239, 0.5718),
+    "pinned": (0.0841, 0.1464, 0.2793, 0.4239, 0.5718),
+}
+
+TRACE_SHA256 = "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131"
+SHARED_TRACE = Path(__file__).resolve().parents[1].parent / (
+    "shared/traces/mooncake_synthetic_trace.jsonl")
+
+
+@pytest.fixture(scope="module")
+def trace() -> list[Request]:
+    return read_mooncake(bundled_trace_path("mooncake"))
+
+
+@pytest.fixture(scope="module")
+def table(trace) -> ReplayTable:
+    """Every registered policy at every size, computed once for the module."""
+    names = [p for p in available_policies() if p != "belady"] + ["belady"]
+    return replay_table(trace, names, SIZES)
+
+
+# -- the replay on the bundled trace --------------------------------------------------------
+
+
+def test_lru_within_001_of_the_independent_reference(table):
+    got = table.ratios()["lru"]
+    for size, ours, ref in zip(SIZES, got, REFERENCE_LRU, strict=True):
+        assert abs(ours - ref) <= 0.01, f"{size} blocks: {ours:.4f} vs reference {ref}"
+
+
+def test_golden_block_hit_ratios(table):
+    ratios = table.ratios()
+    for name, golden in GOLDEN.items():
+        assert name in ratios, f"{name} is not registered"
+        assert [round(r, 4) for r in ratios[name]] == list(golden), name
+
+
+def test_belady_at_or_above_every_online_policy(table):
+    ratios = table.ratios()
+    oracle = ratios["belady"]
+    for name, values in ratios.items():
+        for size, theirs, best in zip(SIZES, values, oracle, strict=True):
+            assert theirs <= best, f"{name} beats belady at {size} blocks: {theirs} > {best}"
+
+
+def test_table_bookkeeping(table, trace):
+    accesses = sum(len(r.block_hashes) for r in trace)
+    assert accesses == 121_877
+    for result in table.results:
+        assert result.requests == 3993 and result.rejected == 0
+        assert result.accesses == accesses
+        assert result.token_queries == sum(r.num_tokens for r in trace)
+        assert 0 <= result.hits <= accesses and result.token_hits <= result.token_queries
+        assert result.block_size == MOONCAKE_BLOCK_SIZE
+    lru = table.get("lru", 1000)
+    assert lru.as_dict()["block_hit_ratio"] == lru.block_hit_ratio
+    assert len(table.rows()) == len(table.results)
+    with pytest.raises(KeyError):
+        table.get("lru", 3)
+    text = format_table(table)
+    assert text.splitlines()[0].startswith("| policy | 1,000 blocks |")
+    assert "| lru | 0.0841 | 0.1464 | 0.2793 | 0.4239 | 0.5718 |" in text
+
+
+def _plain_lru(requests, capacity, block_size=MOONCAKE_BLOCK_SIZE):
+    """An independent replay: an OrderedDict of cached blocks by last release, evicting the
+    least recent leaf not used by the running request; a prompt's hit stops at its first
+    miss; a finished request touches its blocks tail first."""
+    parent: dict = {}
+    children: dict = {}
+    order: OrderedDict = OrderedDict()
+    hits = accesses = 0
+    for r in requests:
+        ids = r.block_hashes
+        n = 0
+        while n < len(ids) and ids[n] in parent:
+            n += 1
+        hits += n
+        accesses += len(ids)
+        need = -(-r.num_tokens // block_size) - n
+        held = set(ids[:n])
+        for _ in range(max(need - (capacity - len(parent)), 0)):
+            victim = next(h for h in order if not children[h] and h not in held)
+            del order[victim], children[victim]
+            up = parent.pop(victim)
+            if up is not None:
+                children[up] -= 1
+        prev = ids[n - 1] if n else None
+        for h in ids[n:]:
+            parent[h], children[h], order[h] = prev, 0, None
+            if prev is not None:
+                children[prev] += 1
+            prev = h
+        for h in reversed(ids):
+            order.move_to_end(h)
+    return hits / accesses
+
+
+@pytest.mark.parametrize("size", [1000, 5000])
+def test_lru_matches_an_independent_plain_python_replay(table, trace, size):
+    assert table.get("lru", size).block_hit_ratio == pytest.approx(_plain_lru(trace, size),
+                                                                   abs=1e-12)
+
+
+def test_infinite_cache_hits_every_repeat(trace):
+    result = replay(trace, "lru", 50_000)
+    assert result.evictions == 0
+    assert result.hits == 121_877 - 43_924  # accesses - distinct blocks
+    assert round(result.block_hit_ratio, 3) == 0.640
+
+
+def test_arrival_time_axis_gives_the_same_order(trace):
+    head = trace[:600]  # the first two requests arrive at the same millisecond
+    for name in ("lru", "belady"):
+        by_index = replay(head, name, 400)
+        by_arrival = replay(head, name, 400, time="arrival")
+        assert by_arrival.hits == by_index.hits and by_arrival.evictions == by_index.evictions
+
+
+# -- replay API -------------------------------------------------------------------------------
+
+
+def _small():
+    return [Request(i, block_hashes=ids, num_tokens=len(ids) * 4) for i, ids in
+            enumerate([[1, 2, 3], [1, 2, 4], [5], [1, 2, 3], [6, 7, 8, 9, 10], [1, 2]])]
+
+
+def test_replay_accepts_names_instances_and_factories():
+    reqs = _small()
+    by_name = replay(reqs, "lru", 4, 4, check_every=1)
+    assert replay(reqs, make_policy("lru"), 4, 4).hits == by_name.hits
+    assert replay(reqs, lambda: make_policy("lru"), 4, 4, label="mine").policy == "mine"
+    assert replay(reqs, "lfu", 4, 4, half_life=2.0).policy == "lfu"
+    assert replay(reqs, "belady", 4, 4, future={}).hits == by_name.hits  # empty: LRU order
+    assert isinstance(make_policy("belady"), Belady)
+
+
+def test_a_request_larger_than_the_pool_is_rejected_and_counted_as_misses():
+    reqs = _small()
+    result = replay(reqs, "lru", 3, 4)
+    assert result.rejected == 1  # the 5-block request
+    assert result.accesses == sum(len(r.block_hashes) for r in reqs)
+    assert result.token_queries == sum(r.num_tokens for r in reqs)
+
+
+def test_a_rejected_request_is_no_ones_next_use():
+    """The oracle's future skips requests that cannot run, so they protect nothing."""
+    chains = [[1, 2], [3, 4], [5], [1, 2, 7, 8, 9], [3, 4]]  # the 5-block one cannot run
+    reqs = [Request(i, block_hashes=c, num_tokens=len(c) * 4) for i, c in enumerate(chains)]
+    oracle = replay(reqs, "belady", 4, 4)
+    assert oracle.rejected == 1
+    assert oracle.hits == 2  # [3, 4] kept at the eviction for [5]; [1, 2] is never run again
+    without = replay([r for r in reqs if r.request_id != 3], "belady", 4, 4)
+    assert without.hits == oracle.hits
+
+
+def test_replay_token_mode_requests():
+    system = list(range(8))
+    reqs = [Request(i, tokens=system + [i] * 6) for i in range(5)]
+    result = replay(reqs, "belady", 4, 4, check_every=1)
+    assert result.hits == 2 * 4  # the 2-block system prompt, after the first request
+    assert result.token_hits == 8 * 4
+
+
+def test_replay_errors():
+    reqs = _small()
+    with pytest.raises(ConfigError, match="capacity_blocks"):
+        replay(reqs, "lru", 0)
+    with pytest.raises(ConfigError, match="unknown policy"):
+        replay(reqs, "nope", 4, 4)
+    with pytest.raises(ConfigError, match="not a string"):
+        replay("trace.jsonl", "lru", 4, 4)
+    with pytest.raises(ConfigError, match="Requests"):
+        replay([1, 2], "lru", 4, 4)
+    with pytest.raises(ConfigError, match="by name"):
+        replay(reqs, make_policy("lru"), 4, 4, half_life=1.0)
+    with pytest.raises(ConfigError, match="belady takes no parameters"):
+        replay(reqs, "belady", 4, 4, horizon=3)
+    with pytest.raises(ConfigError, match="time must be"):
+        replay(reqs, "lru", 4, 4, time="wall")
+    with pytest.raises(ConfigError, match="not an instance"):
+        replay_table(reqs, {"x": make_policy("lru")}, [4], 4)
+    with pytest.raises(ConfigError, match="unknown policy"):
+        replay_table(reqs, ["lru", "nope"], [4], 4)
+    with pytest.raises(ConfigError, match="metric"):
+        format_table(replay_table(reqs, ["lru"], [4], 4), "speed")
+
+
+def test_command_line(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    write_mooncake(_small(), path, block_size=4)
+    assert main(["--trace", str(path), "--sizes", "4,8", "--policies", "lru,belady",
+                 "--block-size", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| policy | 4 blocks | 8 blocks |"
+    assert out[2].startswith("| lru | ") and out[3].startswith("| belady | ")
+    assert main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert "neither" in capsys.readouterr().err
+
+
+# -- the Mooncake reader ----------------------------------------------------------------------
+
+
+def test_bundled_trace_is_the_published_one(trace):
+    data = bundled_trace_path("mooncake").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == TRACE_SHA256
+    if SHARED_TRACE.is_file():
+        assert SHARED_TRACE.read_bytes() == data
+    assert len(trace) == 3993
+    assert len({h for r in trace for h in r.block_hashes}) == 43_924
+    first = trace[0]
+    assert first.request_id == 0 and first.num_tokens == 40160 and first.output_len == 6
+    assert first.block_hashes[:3] == (0, 1, 2) and len(first.block_hashes) == 79
+    assert first.workload_class == "chat" and first.session_id is None
+    assert trace[5].arrival == pytest.approx(0.529)
+    assert all(r.extra == {} for r in trace)  # lengths and ids agree on every line
+    with pytest.raises(ConfigError, match="unknown bundled trace"):
+        bundled_trace_path("alibaba")
+
+
+def test_write_read_round_trip_is_byte_identical(trace, tmp_path):
+    out = tmp_path / "copy.jsonl"
+    assert write_mooncake(trace, out) == 3993
+    assert out.read_bytes() == bundled_trace_path().read_bytes()
+
+
+def _write(tmp_path, *lines) -> Path:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _line(**fields):
+    record = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
+    record.update(fields)
+    return json.dumps({k: v for k, v in record.items() if v is not ...})
+
+
+def test_iter_skips_blank_lines_and_numbers_records(tmp_path):
+    path = _write(tmp_path, _line(), "", "   ", _line(timestamp=1500, hash_ids=[1, 3]))
+    reqs = list(iter_mooncake(path))
+    assert [r.request_id for r in reqs] == [0, 1]
+    assert reqs[1].arrival == 1.5 and reqs[1].block_hashes == (1, 3)
+
+
+def test_short_input_length_is_raised_to_reach_the_last_block(tmp_path):
+    path = _write(tmp_path, _line(input_length=100, hash_ids=[1, 2, 3]),
+                  _line(input_length=5000, hash_ids=[4]))
+    short, long = read_mooncake(path)
+    assert short.num_tokens == 2 * 512 + 1 and short.extra == {"input_length": 100}
+    assert long.num_tokens == 5000 and long.extra == {}  # a tail beyond the listed block
+    result = replay([short, long], "lru", 20)
+    assert result.accesses == 4 and result.rejected == 0
+    out = tmp_path / "back.jsonl"
+    write_mooncake([short, long], out)
+    assert out.read_text() == path.read_text()
+
+
+@pytest.mark.parametrize(("lines", "line", "field", "match"), [
+    ([_line(), "{not json"], 2, None, "not valid JSON"),
+    (["[1, 2]"], 1, None, "JSON object"),
+    ([_line(hash_ids=...)], 1, "hash_ids", "missing"),
+    ([_line(timestamp=...)], 1, "timestamp", "missing"),
+    ([_line(input_length="600")], 1, "input_length", "positive integer"),
+    ([_line(input_length=0)], 1, "input_length", "positive integer"),
+    ([_line(input_length=600.0)], 1, "input_length", "positive integer"),
+    ([_line(output_length=-1)], 1, "output_length", "non-negative integer"),
+    ([_line(output_length=True)], 1, "output_length", "non-negative integer"),
+    ([_line(timestamp=-5)], 1, "timestamp", "non-negative number"),
+    ([_line(timestamp="0")], 1, "timestamp", "non-negative number"),
+    ([_line(hash_ids="1,2")], 1, "hash_ids", "list"),
+    ([_line(hash_ids=[1, -2])], 1, "hash_ids", "non-negative integer block ids"),
+    ([_line(hash_ids=[1, 2.5])], 1, "hash_ids", "non-negative integer block ids"),
+    ([_line(hash_ids=[1, 2, 1])], 1, "hash_ids", "repeats"),
+    ([_line(timestamp=10), _line(timestamp=9)], 2, "timestamp", "arrival order"),
+    ([_line(), _line(hash_ids=[3, 2])], 2, "hash_ids", "after id 1 on line 1"),
+    ([_line(), _line(hash_ids=[2])], 2, "hash_ids", "prefix-chained"),
+])
+def test_malformed_traces_name_file_line_and_field(tmp_path, lines, line, field, match):
+    path = _write(tmp_path, *lines)
+    with pytest.raises(TraceFormatError, match=match) as info:
+        read_mooncake(path)
+    err = info.value
+    assert err.path == str(path) and err.line == line and err.field == field
+    assert f"{path}:{line}: " in str(err)
+    if field is not None:
+        assert f"field {field!r}" in str(err)
+
+
+def test_non_utf8_bytes_name_the_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(_line().encode() + b"\n" + b'{"timestamp": "\xe9"}\n')
+    with pytest.raises(TraceFormatError, match="UTF-8") as info:
+        read_mooncake(path)
+    assert info.value.line == 2 and info.value.path == str(path)
+
+
+def test_reader_and_writer_argument_errors(tmp_path):
+    path = _write(tmp_path, _line())
+    with pytest.raises(ConfigError, match="block_size"):
+        read_mooncake(path, block_size=0)
+    with pytest.raises(ConfigError, match="workload_class"):
+        read_mooncake(path, workload_class="")
+    assert read_mooncake(path, workload_class="rag")[0].workload_class == "rag"
+    with pytest.raises(FileNotFoundError):
+        read_mooncake(tmp_path / "absent.jsonl")
+    with pytest.raises(ConfigError, match="non-negative int block ids"):
+        write_mooncake([Request(0, block_hashes=["a"], num_tokens=4)], tmp_path / "x.jsonl")
+    with pytest.raises(ConfigError, match="arrival order"):
+        write_mooncake([Request(0, block_hashes=[1], num_tokens=4, arrival=2.0),
+                        Request(1, block_hashes=[2], num_tokens=4, arrival=1.0)],
+                       tmp_path / "x.jsonl")
+
+
+def test_write_token_mode_requests_keeps_shared_prefixes(tmp_path):
+    system = list(range(8))
+    reqs = [Request(0, block_hashes=[3, 4], num_tokens=8, arrival=0.25),
+            Request(1, tokens=system + [1, 1, 1, 1, 7], arrival=0.5),
+            Request(2, tokens=system + [2, 2], arrival=0.5)]
+    path = tmp_path / "mixed.jsonl"
+    write_mooncake(reqs, path, block_size=4)
+    back = read_mooncake(path, block_size=4)
+    assert [r.block_hashes for r in back] == [(3, 4), (5, 6, 7), (5, 6)]
+    assert [r.num_tokens for r in back] == [8, 13, 10]
+    assert json.loads(path.read_text().splitlines()[0])["timestamp"] == 250
+    assert replay(back, "lru", 10, 4).hits == replay(reqs, "lru", 10, 4).hits
