@@ -7,13 +7,18 @@ from kvevict.policies.base import (
     make_policy,
     register_policy,
 )
+from kvevict.policies.belady import Belady
 from kvevict.policies.lfu import LFU
 from kvevict.policies.lru import LRU
+from kvevict.policies.market import Market, MarketAdmission
 from kvevict.policies.pinned import RefcountPinned
 
 __all__ = [
+    "Belady",
     "LFU",
     "LRU",
+    "Market",
+    "MarketAdmission",
     "Policy",
     "RefcountPinned",
     "ScoredPolicy",
