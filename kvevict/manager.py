@@ -186,6 +186,11 @@ class KVCacheManager:
         self._tick = 0
         self._last_now = -math.inf
         self._eviction_listeners: list[Callable[[BlockInfo, float], None]] = []
+        # skip calls to hooks the policy leaves as no-ops (a hot path)
+        policy_type = type(self.policy)
+        self._on_hit = None if policy_type.on_hit is Policy.on_hit else self.policy.on_hit
+        self._on_insert = (None if policy_type.on_insert is Policy.on_insert
+                           else self.policy.on_insert)
 
     # -- time ------------------------------------------------------------------------------
 
@@ -327,30 +332,43 @@ class KVCacheManager:
         ``max_new_tokens`` more; ``query_tokens`` count as prefix-cache queries."""
         bs = self.block_size
         hashes = self._known_hashes(seq)
-        hit = self.tree.longest_prefix(hashes)
+        cached = self.tree._blocks
+        hit: list[BlockInfo] = []
         if seq._known is None:  # hash ids from a trace: check they are chained
             parent = ROOT_HASH
-            for h, block in zip(hashes, hit, strict=False):
-                if block._parent != parent:
+            for depth, h in enumerate(hashes):
+                block = cached.get(h)
+                if block is None:
+                    break
+                if block._depth != depth or (depth and block._parent != parent):
                     raise ConfigError(
                         f"request {seq.seq_id!r}: block id {h!r} is cached under parent "
                         f"{block._parent!r} but follows {parent!r} here; block_hashes must "
                         "be prefix-chained"
                     )
+                hit.append(block)
                 parent = h
-            tree = self.tree
-            for h in hashes[len(hit):]:
-                if h in tree:
-                    raise ConfigError(
-                        f"request {seq.seq_id!r}: block id {h!r} is cached but an earlier "
-                        "id of this request is not; block_hashes must be prefix-chained"
-                    )
+            if not cached.keys().isdisjoint(hashes[len(hit) + 1:]):
+                h = next(h for h in hashes[len(hit) + 1:] if h in cached)
+                raise ConfigError(
+                    f"request {seq.seq_id!r}: block id {h!r} is cached but an earlier "
+                    "id of this request is not; block_hashes must be prefix-chained"
+                )
+        else:
+            for h in hashes:
+                block = cached.get(h)
+                if block is None:
+                    break
+                hit.append(block)
         known = seq.num_known
         hit_tokens = min(len(hit) * bs, known)
         target = known if max_new_tokens is None else min(known, hit_tokens + max_new_tokens)
         need = -(-target // bs) - len(hit)
-        hit_free = sum(1 for b in hit if b._ref_count == 0)
-        available = self.pool.num_free + self._num_evictable - hit_free
+        hit_free = 0
+        for block in hit:
+            if block._ref_count == 0:
+                hit_free += 1
+        available = len(self.pool._free) + self._num_evictable - hit_free
         if need > available:
             raise OutOfBlocks(
                 f"request {seq.seq_id!r} needs {need} new blocks but only {available} can be "
@@ -361,10 +379,9 @@ class KVCacheManager:
         now = self._now()
         pool = self.pool
         old_hashes = seq._hashes
-        for block in hit:  # hold the hit blocks so eviction cannot take them
-            self._acquire(block, now)
+        self._acquire_all(hit, now)  # hold the hit blocks so eviction cannot take them
         seq.block_table = [b._id for b in hit]
-        seq._hashes = [b._hash for b in hit]
+        seq._hashes = hashes[:len(hit)]
         seq.num_tokens = hit_tokens
         try:
             evictions = need - pool.num_free
@@ -376,19 +393,25 @@ class KVCacheManager:
                         request_id=seq.seq_id, reason=decision.reason,
                         retry_after=decision.retry_after,
                     )
-            self._evict(evictions, now)
+            if evictions > 0:
+                self._evict(evictions, now)
             session = seq.request.session_id
             retention = seq.request.retention
+            on_hit = self._on_hit
+            tick = self._tick
             for block in hit:
-                self._tick += 1
+                tick += 1
                 block._last_access = now
-                block._last_access_tick = self._tick
+                block._last_access_tick = tick
                 block._hit_count += 1
                 block._sharers[session] = now
                 block._last_hit_session = session
                 if retention is not None:
                     block._retention = retention
-                self.policy.on_hit(block, now)
+                if on_hit is not None:
+                    self._tick = tick
+                    on_hit(block, now)
+            self._tick = tick
             self._allocate_to(seq, target, now, "prefill")
             self.admission.on_admitted(seq.request, now)
         except BaseException:
@@ -443,10 +466,12 @@ class KVCacheManager:
                 )
             new_tokens: list[int] | None = None
             n = tokens
+        elif type(tokens) is list and all(type(t) is int and t >= 0 for t in tokens):
+            new_tokens, n = tokens, len(tokens)  # the decode loop's fast path
         else:
             new_tokens = as_token_array(tokens).tolist()
             n = len(new_tokens)
-        if seq.num_pending:
+        if seq.num_tokens != seq._prompt_slots + seq._num_generated:
             raise ConfigError(f"sequence {seq_id!r} still has {seq.num_pending} prompt tokens "
                               "to prefill; call prefill() before appending")
         return self._grow(seq, seq.num_tokens + n, new_tokens, "decode")
@@ -478,9 +503,14 @@ class KVCacheManager:
         pool = self.pool
         bs = self.block_size
         need = -(-target // bs) - len(seq.block_table)
-        for _ in range(need):
-            seq.block_table.append(pool.allocate())
         if need > 0:
+            free, used, ref = pool._free, pool._used, pool._ref
+            table = seq.block_table
+            for _ in range(need):
+                block_id = free.pop()  # the caller made room; the pool's own checks are
+                used[block_id] = True  # for its public API
+                ref[block_id] = 1
+                table.append(block_id)
             self.stats.allocated_blocks += need
         seq.num_tokens = target
         if seq._known is None:  # hash mode: listed blocks are cacheable when computed
@@ -506,9 +536,10 @@ class KVCacheManager:
                      created_by: str) -> None:
         """Register the full block ``depth`` of ``seq`` (or share an identical cached one)."""
         block_id = seq.block_table[depth]
-        existing = self.tree.get(block_hash)
+        cached = self.tree._blocks
+        existing = cached.get(block_hash)
         if existing is not None:  # computed twice concurrently: keep the cached copy
-            self._acquire(existing, now)
+            self._acquire_all((existing,), now)
             existing._sharers[seq.request.session_id] = now
             seq.block_table[depth] = existing._id
             self.pool.decref(block_id)
@@ -516,7 +547,7 @@ class KVCacheManager:
             seq._hashes.append(block_hash)
             return
         self._tick += 1
-        parent = seq._hashes[depth - 1] if depth else ROOT_HASH
+        parent = seq._hashes[-1] if depth else ROOT_HASH  # seq holds the parent: cached
         bs = self.block_size
         end = (depth + 1) * bs
         request = seq.request
@@ -532,11 +563,14 @@ class KVCacheManager:
                           request.workload_class, request.session_id, now, self._tick,
                           request.retention, created_by, kind)
         block._ref_count = 1
-        self.tree.insert(block)  # the parent is held by seq, so no candidate changes
+        if depth:  # the parent is held by seq: it was no candidate and stays none
+            cached[parent]._num_children += 1
+        cached[block_hash] = block
         self._records[block_id] = block
         seq._hashes.append(block_hash)
         self.stats.inserted_blocks += 1
-        self.policy.on_insert(block, now)
+        if self._on_insert is not None:
+            self._on_insert(block, now)
 
     # -- release ---------------------------------------------------------------------------
 
@@ -560,37 +594,49 @@ class KVCacheManager:
         return seq
 
     def _release_all(self, seq: Sequence, now: float, touch: bool = True) -> None:
+        """Drop ``seq``'s references, tail first: cached blocks left unused become
+        candidates (leaves) or evictable; uncached ones go back to the free list."""
         records = self._records
         pool = self.pool
+        ref, used, free = pool._ref, pool._used, pool._free
+        candidates = self.tree.candidates
+        tick = self._tick
         for block_id in reversed(seq.block_table):
+            ref[block_id] -= 1
             block = records.get(block_id)
-            if block is not None:
-                self._release_cached(block, now, touch=touch)
-            else:
-                pool.decref(block_id)
-                pool.free(block_id)
+            if block is None:  # a partial (or never cached) block: free it
+                used[block_id] = False
+                free.append(block_id)
+                continue
+            block._ref_count -= 1
+            if touch:
+                tick += 1
+                block._last_access = now
+                block._last_access_tick = tick
+            if block._ref_count == 0:
+                self._num_evictable += 1
+                if block._num_children == 0:
+                    self._tick = tick
+                    if block_id in self._pins:
+                        candidates[block_id] = block
+                        self._withheld[block_id] = block
+                    else:
+                        candidates[block_id] = block
+                        self.policy.on_candidate(block, now)
+        self._tick = tick
         seq.block_table = []
 
-    def _acquire(self, block: BlockInfo, now: float) -> None:
-        """Take a reference on a cached block (it stops being a candidate)."""
-        if block._ref_count == 0:
-            self._num_evictable -= 1
-            if block._id in self.tree.candidates:
-                self._drop_candidate(block, now)
-        block._ref_count += 1
-        self.pool.incref(block._id)
-
-    def _release_cached(self, block: BlockInfo, now: float, touch: bool) -> None:
-        self.pool.decref(block._id)
-        block._ref_count -= 1
-        if touch:
-            self._tick += 1
-            block._last_access = now
-            block._last_access_tick = self._tick
-        if block._ref_count == 0:
-            self._num_evictable += 1
-            if block._num_children == 0:
-                self._add_candidate(block, now)
+    def _acquire_all(self, blocks: Any, now: float) -> None:
+        """Take a reference on each cached block (they stop being candidates)."""
+        ref = self.pool._ref
+        candidates = self.tree.candidates
+        for block in blocks:
+            if block._ref_count == 0:
+                self._num_evictable -= 1
+                if block._id in candidates:
+                    self._drop_candidate(block, now)
+            block._ref_count += 1
+            ref[block._id] += 1
 
     # -- candidates and eviction -----------------------------------------------------------
 
@@ -615,27 +661,34 @@ class KVCacheManager:
 
     def _evict(self, count: int, now: float) -> None:
         """Evict ``count`` candidates (the caller checked that enough exist)."""
+        if self._pin_heap:
+            self._expire_pins(now)  # ``now`` is fixed: expiring once is enough
+        candidates = self.tree.candidates
+        withheld = self._withheld
+        victim = self.policy.victim
+        evict_block = self._evict_block
         for _ in range(count):
-            self._expire_pins(now)
-            candidates = self.tree.candidates
-            offered = len(candidates) - len(self._withheld)
-            victim_id = self.policy.victim(now)
-            if victim_id is None:
-                if offered:
+            victim_id = victim(now)
+            block = candidates.get(victim_id) if victim_id is not None else None
+            if block is None or victim_id in withheld:
+                offered = len(candidates) - len(withheld)
+                if victim_id is None and not offered:
+                    victim_id = min(withheld, key=lambda i: (
+                        self._pins[i], withheld[i]._last_access_tick))
+                    block = candidates[victim_id]
+                elif victim_id is None:
                     raise PolicyError(
                         f"{self.policy!r}.victim() returned None but it holds {offered} "
                         "candidates"
                     )
-                victim_id = min(self._withheld, key=lambda i: (
-                    self._pins[i], self._withheld[i]._last_access_tick))
-            elif victim_id not in candidates or victim_id in self._withheld:
-                what = ("a pinned candidate the policy was never offered"
-                        if victim_id in self._withheld else "not a candidate")
-                raise PolicyError(
-                    f"{self.policy!r}.victim() returned block {victim_id!r}, which is {what} "
-                    "(candidates are cached, unused leaves)"
-                )
-            self._evict_block(candidates[victim_id], now)
+                else:
+                    what = ("a pinned candidate the policy was never offered"
+                            if victim_id in withheld else "not a candidate")
+                    raise PolicyError(
+                        f"{self.policy!r}.victim() returned block {victim_id!r}, which is "
+                        f"{what} (candidates are cached, unused leaves)"
+                    )
+            evict_block(block, now)
 
     def add_eviction_listener(self, callback: Callable[[BlockInfo, float], None]) -> None:
         """Call ``callback(block, now)`` just before each eviction (the block still cached).
@@ -649,21 +702,28 @@ class KVCacheManager:
     def _evict_block(self, block: BlockInfo, now: float) -> None:
         for listener in self._eviction_listeners:
             listener(block, now)
-        del self.tree.candidates[block._id]
-        if self._withheld.pop(block._id, None) is not None:
-            del self._pins[block._id]
-        else:
-            self.policy.on_evict(block, now)
-        parent = self.tree.remove(block)
-        del self._records[block._id]
+        block_id = block._id
+        del self.tree.candidates[block_id]
+        if self._withheld and self._withheld.pop(block_id, None) is not None:
+            del self._pins[block_id]
+        self.policy.on_evict(block, now)  # also for pinned blocks it was never offered
+        cached = self.tree._blocks
+        del cached[block._hash]
+        del self._records[block_id]
         self._num_evictable -= 1
-        self.pool.free(block._id)
+        pool = self.pool
+        pool._used[block_id] = False
+        pool._free.append(block_id)
         stats = self.stats
         stats.evictions += 1
         by_class = stats.evictions_by_class
-        by_class[block._workload_class] = by_class.get(block._workload_class, 0) + 1
-        if parent is not None and parent._ref_count == 0:
-            self._add_candidate(parent, now)
+        cls = block._workload_class
+        by_class[cls] = by_class.get(cls, 0) + 1
+        if block._depth:  # the parent may have become a leaf, hence a candidate
+            parent = cached[block._parent]
+            parent._num_children -= 1
+            if parent._num_children == 0 and parent._ref_count == 0:
+                self._add_candidate(parent, now)
 
     def evict(self, count: int = 1) -> int:
         """Evict up to ``count`` candidates now (e.g. to make room ahead of time); return

@@ -7,16 +7,20 @@ from kvevict.policies.base import (
     make_policy,
     register_policy,
 )
+from kvevict.policies.bayes import BayesReuse
 from kvevict.policies.belady import Belady
+from kvevict.policies.dbms import DBMS
 from kvevict.policies.lfu import LFU
 from kvevict.policies.lru import LRU
 from kvevict.policies.market import Market, MarketAdmission
 from kvevict.policies.pinned import RefcountPinned
 
 __all__ = [
-    "Belady",
+    "DBMS",
     "LFU",
     "LRU",
+    "BayesReuse",
+    "Belady",
     "Market",
     "MarketAdmission",
     "Policy",

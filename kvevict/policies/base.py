@@ -8,7 +8,8 @@ carries the block's read-only `BlockInfo` and the current clock time ``now``:
 - ``on_candidate`` / ``on_uncandidate``: it entered / left the candidate set (cached, ref
   count 0, leaf of the prefix tree).
 - ``on_evict``: the manager evicted it (it also leaves the candidate set; no separate
-  ``on_uncandidate`` is sent).
+  ``on_uncandidate`` is sent). Sent for every evicted block, including an explicitly pinned
+  one the policy was never offered (evicted only when no other candidate existed).
 
 ``victim(now)`` names one current candidate by block id, without removing it (a peek); the
 manager evicts it and then sends ``on_evict``. It returns None only when the policy holds no

@@ -13,6 +13,8 @@ is the same.
 
 from __future__ import annotations
 
+import heapq
+
 from kvevict.policies.base import ScoredPolicy, register_policy
 from kvevict.types import BlockInfo
 
@@ -25,3 +27,12 @@ class LRU(ScoredPolicy):
 
     def score(self, block: BlockInfo, now: float) -> float:
         return block.last_access
+
+    def on_candidate(self, block: BlockInfo, now: float) -> None:
+        # ScoredPolicy.on_candidate with score() inlined: LRU is the hot baseline
+        key = (block._last_access, block._last_access_tick, block._id)
+        self._keys[block._id] = key
+        heapq.heappush(self._heap, key)
+        if len(self._heap) > 2 * len(self._keys) + 64:
+            self._heap = list(self._keys.values())
+            heapq.heapify(self._heap)
