@@ -1,0 +1,402 @@
+"""Continuous batching over the `KVCacheManager`: one scheduler, two executors.
+
+Every step the scheduler builds a `StepPlan` under a token budget (vLLM's
+``max_num_batched_tokens``): first the running requests (one decode token each, or the next
+chunk of a prefill), then waiting requests in arrival order (preempted ones first), as long as
+the budget, ``max_num_seqs`` and memory allow. The plan goes to an `Executor`: the simulator's
+executor advances a virtual clock with a `CostModel`; the engine's executor runs a real model.
+So a simulated and a measured run differ only by the executor.
+
+Memory comes from the manager. A request that cannot allocate makes the scheduler **preempt**
+a running one (its blocks are released, cached ones stay cached; it returns to the front of
+the queue and recomputes what was evicted). Which one is pluggable:
+
+- ``"last-arrived"``: vLLM's choice, the running request that arrived last.
+- ``"fewest-processed"``: the DBMS-inspired choice of arXiv 2411.07447 (Sun et al.), the one
+  with the fewest processed tokens, i.e. the cheapest to recompute.
+
+Admission: the manager consults its `Admission` before a request evicts; a deferred request
+stays in the queue (others behind it may start) and is retried every step.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import zlib
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kvevict.errors import AdmissionDeferred, ConfigError, OutOfBlocks
+from kvevict.manager import KVCacheManager, Sequence
+from kvevict.types import Request
+
+__all__ = [
+    "PREEMPTION_MODES",
+    "Executor",
+    "PrefillChunk",
+    "RequestState",
+    "Scheduler",
+    "SchedulerConfig",
+    "StepOutput",
+    "StepPlan",
+]
+
+PREEMPTION_MODES = ("last-arrived", "fewest-processed")
+
+
+def _positive_int(instance: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+@attrs.frozen
+class SchedulerConfig:
+    """Knobs of the continuous-batching scheduler (vLLM's names where they exist).
+
+    Attributes:
+        max_num_batched_tokens: token budget of one step (prefill chunks + decode tokens).
+        max_num_seqs: most requests running at once.
+        enable_chunked_prefill: split long prompts across steps; if False a prompt waits
+            until its whole uncached part fits the budget.
+        preemption: which running request to preempt: one of `PREEMPTION_MODES`.
+    """
+
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=_positive_int)
+    max_num_seqs: int = attrs.field(default=64, validator=_positive_int)
+    enable_chunked_prefill: bool = True
+    preemption: str = "last-arrived"
+
+    def __attrs_post_init__(self) -> None:
+        if self.preemption not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got "
+                              f"{self.preemption!r}")
+
+
+class RequestState:
+    """The scheduler's record of one request, and its measurements (times in clock seconds).
+
+    ``queue_wait`` is from arrival to the first step that runs it; ``ttft`` from arrival to
+    the end of the step that produced its first token.
+    """
+
+    __slots__ = ("arrival", "cached_tokens", "computed_prefill_tokens", "deferrals",
+                 "finish_time", "first_scheduled", "first_token_time", "num_output",
+                 "pending_token", "preemptions", "request", "seq", "status", "decode_time")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.arrival = request.arrival
+        self.status = "waiting"  # waiting | running | preempted | finished
+        self.seq: Sequence | None = None
+        self.pending_token: int | None = None  # sampled, not yet fed back
+        self.num_output = 0
+        self.cached_tokens: int | None = None  # prompt tokens hit at the first begin
+        self.computed_prefill_tokens = 0  # every token prefilled, recompute included
+        self.first_scheduled: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.decode_time = 0.0
+        self.preemptions = 0
+        self.deferrals = 0
+
+    @property
+    def request_id(self) -> Any:
+        return self.request.request_id
+
+    @property
+    def target_output(self) -> int:
+        """Tokens to generate (at least one: the first token ends the prefill)."""
+        return max(1, self.request.output_len)
+
+    @property
+    def queue_wait(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    def next_output_token(self) -> int:
+        """Output token ``num_output``: from ``request.output_tokens`` when the request fixes
+        its answer, else a deterministic stand-in id (the same in every process)."""
+        out = self.request.output_tokens
+        if out is not None and self.num_output < len(out):
+            return int(out[self.num_output])
+        return zlib.crc32(f"{self.request_id!r}:{self.num_output}".encode()) % 32000
+
+    def __repr__(self) -> str:
+        return (f"RequestState({self.request_id!r}, {self.status}, output={self.num_output}/"
+                f"{self.target_output})")
+
+
+@attrs.frozen
+class PrefillChunk:
+    """Tokens ``[start, end)`` of a sequence are computed this step (``start`` are cached or
+    computed already). ``samples`` says whether the chunk ends the prompt and yields the
+    first token (a fully cached prompt gives ``start == end``: only the last token's logits
+    are recomputed)."""
+
+    state: RequestState
+    start: int
+    end: int
+    samples: bool
+
+
+@attrs.define
+class StepPlan:
+    """What one step runs: prefill chunks and one decode token per listed request."""
+
+    prefills: list[PrefillChunk] = attrs.Factory(list)
+    decodes: list[RequestState] = attrs.Factory(list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(max(1, c.end - c.start) if c.samples else c.end - c.start
+                   for c in self.prefills) + len(self.decodes)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefills or self.decodes)
+
+
+@attrs.frozen
+class StepOutput:
+    """The executor's answer: sampled token ids by request id (for chunks that sample and
+    for every decode); ``seconds`` the step took (measured or modelled)."""
+
+    tokens: dict[Any, int]
+    seconds: float = 0.0
+
+
+class Executor(abc.ABC):
+    """Runs a `StepPlan`: advances virtual time (simulator) or runs a model (engine)."""
+
+    @abc.abstractmethod
+    def execute(self, plan: StepPlan, manager: KVCacheManager) -> StepOutput:
+        """Run the plan; the sequences' block tables are allocated already."""
+
+    @abc.abstractmethod
+    def idle_until(self, t: float) -> None:
+        """Nothing can run before clock time ``t`` (the next arrival or retry)."""
+
+
+class Scheduler:
+    """Continuous batching: `add` requests, then `step` until `has_work` is False.
+
+    Args:
+        manager: the cache manager (its clock is the scheduler's clock).
+        executor: runs each step.
+        config: `SchedulerConfig`.
+        on_finish: called with each finished `RequestState`.
+    """
+
+    def __init__(self, manager: KVCacheManager, executor: Executor,
+                 config: SchedulerConfig | None = None,
+                 on_finish: Callable[[RequestState], None] | None = None) -> None:
+        if not isinstance(manager, KVCacheManager):
+            raise ConfigError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
+        if not isinstance(executor, Executor):
+            raise ConfigError(f"executor must be an Executor, got {type(executor).__name__}")
+        self.manager = manager
+        self.executor = executor
+        self.config = config if config is not None else SchedulerConfig()
+        self.on_finish = on_finish
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self.finished: list[RequestState] = []
+        self.steps = 0
+        self.preemptions = 0
+        self._retry_at: float | None = None
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.manager.clock
+
+    def add(self, request: Request) -> RequestState:
+        """Queue a request that has arrived."""
+        if not isinstance(request, Request):
+            raise ConfigError(f"add() takes a Request, got {type(request).__name__}")
+        state = RequestState(request)
+        self.waiting.append(state)
+        return state
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling ------------------------------------------------------------------------
+
+    def _preempt_for(self, needing: RequestState, scheduled: set[Any]) -> RequestState:
+        """Preempt one running request not yet in this step's plan (possibly ``needing``)."""
+        candidates = [s for s in self.running
+                      if s is needing or s.request_id not in scheduled]
+        if candidates == [needing] and len(self.running) == 1:
+            raise ConfigError(
+                f"request {needing.request_id!r} needs more blocks than the whole pool "
+                f"({self.manager.pool.num_blocks} blocks of {self.manager.block_size} "
+                "tokens); enlarge the cache"
+            )
+        if self.config.preemption == "last-arrived":
+            victim = max(candidates, key=lambda s: (s.arrival, str(s.request_id)))
+        else:  # fewest processed tokens: cheapest to recompute (arXiv 2411.07447)
+            victim = min(candidates, key=lambda s: (s.seq.num_tokens, -s.arrival))  # type: ignore[union-attr]
+        self.manager.preempt(victim.request_id)
+        victim.status = "preempted"
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.running.remove(victim)
+        self.waiting.appendleft(victim)
+        return victim
+
+    def _grow_running(self, state: RequestState, grow: Callable[[], Any],
+                      scheduled: set[Any]) -> bool:
+        """Run ``grow`` (an allocation); preempt others on `OutOfBlocks`. False if ``state``
+        itself was preempted."""
+        while True:
+            try:
+                grow()
+                return True
+            except OutOfBlocks:
+                if self._preempt_for(state, scheduled) is state:
+                    return False
+
+    @staticmethod
+    def _feed(state: RequestState) -> Any:
+        """What a decode step appends: the last sampled token (a count for hash-only
+        requests)."""
+        return 1 if state.request.tokens is None else [state.pending_token]
+
+    def _schedule_decode(self, state: RequestState, plan: StepPlan, scheduled: set[Any]) -> bool:
+        feed = self._feed(state)
+        if not self._grow_running(
+                state, lambda: self.manager.append(state.request_id, feed), scheduled):
+            return False
+        state.pending_token = None
+        plan.decodes.append(state)
+        return True
+
+    def schedule(self) -> StepPlan:
+        """Build the next step's plan, allocating its memory."""
+        cfg = self.config
+        manager = self.manager
+        budget = cfg.max_num_batched_tokens
+        plan = StepPlan()
+        preempted_before = self.preemptions
+        scheduled: set[Any] = set()
+        for state in list(self.running):
+            if state.status != "running" or budget <= 0:
+                continue
+            seq = state.seq
+            assert seq is not None
+            if seq.num_pending:
+                n = min(seq.num_pending, budget)
+                if not cfg.enable_chunked_prefill and n < seq.num_pending:
+                    continue
+                start = seq.num_tokens
+                if not self._grow_running(
+                        state, lambda s=seq, k=n: manager.prefill(s.seq_id, k), scheduled):
+                    continue
+                samples = seq.num_pending == 0 and state.pending_token is None
+                plan.prefills.append(PrefillChunk(state, start, start + n, samples))
+                state.computed_prefill_tokens += n
+                budget -= n
+            else:
+                if not self._schedule_decode(state, plan, scheduled):
+                    continue
+                budget -= 1
+            scheduled.add(state.request_id)
+        if self.preemptions != preempted_before and plan:
+            return plan  # under memory pressure: start nothing new this step (as vLLM)
+        now = self.clock()
+        deferred: list[RequestState] = []
+        preempted_before = self.preemptions
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            if self.preemptions != preempted_before:
+                break  # admitting made room by preempting: stop, or the two would cycle
+            state = self.waiting[0]
+            limit = budget if cfg.enable_chunked_prefill else None
+            try:
+                if state.status == "preempted":
+                    seq = manager.resume(state.request_id, max_new_tokens=limit)
+                else:
+                    seq = manager.begin(state.request, max_new_tokens=limit)
+            except AdmissionDeferred as exc:
+                state.deferrals += 1
+                deferred.append(self.waiting.popleft())
+                retry = now + max(exc.retry_after, 0.0)
+                self._retry_at = retry if self._retry_at is None else min(self._retry_at, retry)
+                continue
+            except OutOfBlocks:
+                if not self.running and not plan:
+                    raise ConfigError(
+                        f"request {state.request_id!r} needs more blocks than the whole pool "
+                        f"({manager.pool.num_blocks} blocks of {manager.block_size} tokens); "
+                        "enlarge the cache"
+                    ) from None
+                break
+            self.waiting.popleft()
+            if state.cached_tokens is None:
+                state.cached_tokens = seq.num_cached_tokens
+            if state.first_scheduled is None:
+                state.first_scheduled = now
+            state.seq = seq
+            state.status = "running"
+            self.running.append(state)
+            start = seq.num_cached_tokens
+            n = seq.num_tokens - start
+            samples = seq.num_pending == 0 and state.pending_token is None
+            if n == 0 and not samples:  # a resumed sequence, fully cached: decode now
+                if self._schedule_decode(state, plan, scheduled):
+                    scheduled.add(state.request_id)
+                    budget -= 1
+                continue
+            plan.prefills.append(PrefillChunk(state, start, seq.num_tokens, samples))
+            computed = max(n, 1) if samples else n
+            state.computed_prefill_tokens += computed
+            budget -= computed
+        for state in reversed(deferred):
+            self.waiting.appendleft(state)
+        return plan
+
+    def step(self, next_arrival: float | None = None) -> StepPlan:
+        """Schedule, execute and account one step. If nothing can run, idle until the
+        earliest of a deferred request's retry time and ``next_arrival`` (the driver's next
+        request) and return the empty plan."""
+        plan = self.schedule()
+        retry, self._retry_at = self._retry_at, None
+        if not plan:
+            wake = min(t for t in (retry, next_arrival, math.inf) if t is not None)
+            if wake == math.inf:
+                if self.has_work():
+                    raise ConfigError("scheduler is stuck: requests wait but nothing can run")
+                return plan
+            self.executor.idle_until(wake)
+            return plan
+        out = self.executor.execute(plan, self.manager)
+        self.steps += 1
+        self.complete(plan, out)
+        return plan
+
+    def complete(self, plan: StepPlan, out: StepOutput) -> None:
+        """Record sampled tokens, first-token times and finished requests."""
+        now = self.clock()
+        producers = [c.state for c in plan.prefills if c.samples] + plan.decodes
+        for state in producers:
+            token = out.tokens.get(state.request_id)
+            if token is None:
+                token = state.next_output_token()
+            if state.first_token_time is None:
+                state.first_token_time = now
+            state.num_output += 1
+            if state.num_output >= state.target_output:
+                self.manager.finish(state.request_id)
+                state.status = "finished"
+                state.finish_time = now
+                self.running.remove(state)
+                self.finished.append(state)
+                if self.on_finish is not None:
+                    self.on_finish(state)
+            else:
+                state.pending_token = token
