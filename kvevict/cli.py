@@ -23,7 +23,7 @@ from kvevict.layout import PRESETS, KVLayout, from_hf_config, preset
 __all__ = ["DEFAULT_POLICIES", "main"]
 
 DEFAULT_POLICIES = ("lru", "lfu", "pinned", "market", "bayes", "dbms", "belady")
-DEFAULT_SWEEP = (0.25, 0.5, 1.0, 2.0, 4.0)
+DEFAULT_SWEEP = (0.5, 2.0, 4.0)
 FORMATS = ("jsonl", "mooncake", "alibaba", "sharegpt")
 GIB = 2**30
 
@@ -38,6 +38,15 @@ def _floats(text: str) -> list[float]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _blocks_needed(request: Any, block_size: int) -> int:
+    """Blocks a request holds at its longest: its prompt (each listed hash a block) plus
+    its output."""
+    prompt = request.prompt_len
+    if request.block_hashes is not None:
+        prompt = max(prompt, len(request.block_hashes) * block_size)
+    return -(-(prompt + request.output_len) // block_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,13 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a Hugging Face config.json to size the KV cache from")
     cap = sim.add_mutually_exclusive_group()
     cap.add_argument("--cache-gib", type=float, default=None,
-                     help="KV cache size in GiB (default: 0.5)")
+                     help="KV cache size in GiB (default: 1)")
     cap.add_argument("--cache-blocks", type=int, default=None, help="KV cache size in blocks")
     sim.add_argument("--block-size", type=int, default=None,
                      help="tokens per block (default 16; 512 for Mooncake traces)")
     sim.add_argument("--sweep", type=_floats, default=list(DEFAULT_SWEEP),
                      help="capacity multipliers for the hit-ratio sweep "
-                          "(default: 0.25,0.5,1,2,4)")
+                          "(default: 0.5,2,4; sizes that cannot hold the largest request "
+                          "are skipped)")
     sim.add_argument("--no-sweep", action="store_true", help="skip the capacity sweep")
     sim.add_argument("--max-batched-tokens", type=int, default=2048,
                      help="scheduler token budget per step (default %(default)s)")
@@ -149,7 +159,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         if capacity <= 0:
             raise ConfigError(f"--cache-blocks must be positive, got {capacity}")
     else:
-        gib = 0.5 if args.cache_gib is None else args.cache_gib
+        gib = 1.0 if args.cache_gib is None else args.cache_gib
         if gib <= 0:
             raise ConfigError(f"--cache-gib must be positive, got {gib}")
         capacity = layout.blocks_for_bytes(gib * GIB, block_size)
@@ -157,10 +167,23 @@ def simulate_command(args: argparse.Namespace) -> int:
             raise ConfigError(f"{gib} GiB holds no block of {block_size} tokens of "
                               f"{layout.name or 'this model'} "
                               f"({layout.bytes_per_block(block_size):,} bytes per block)")
+    largest = max(requests, key=lambda r: _blocks_needed(r, block_size))
+    min_blocks = _blocks_needed(largest, block_size)
+    if capacity < min_blocks:
+        raise ConfigError(
+            f"the cache ({capacity:,} blocks of {block_size} tokens) cannot hold request "
+            f"{largest.request_id!r}, which needs {min_blocks:,} blocks; use at least "
+            f"--cache-blocks {min_blocks}"
+        )
     config = SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
                              max_num_seqs=args.max_seqs, preemption=args.preemption)
     sweep_caps = [] if args.no_sweep else sorted(
         {max(1, round(capacity * m)) for m in args.sweep} - {capacity})
+    too_small = [c for c in sweep_caps if c < min_blocks]
+    if too_small and not args.quiet:
+        print(f"note: sweep sizes {', '.join(map(str, too_small))} blocks skipped: they cannot "
+              f"hold the largest request ({min_blocks} blocks)", file=sys.stderr)
+    sweep_caps = [c for c in sweep_caps if c >= min_blocks]
     progress = _Progress(len(policies) * (1 + len(sweep_caps)), args.quiet)
     from kvevict.cost import CostModel
 
