@@ -147,21 +147,28 @@ def simulate_command(args: argparse.Namespace) -> int:
     if unknown or not policies:
         raise ConfigError(f"unknown policy {', '.join(unknown) or '(none given)'}; valid "
                           f"names: {', '.join(valid)}")
+    if all(p == "belady" for p in policies):
+        raise ConfigError("--policies needs at least one online policy to choose from "
+                          "(belady is the offline bound)")
+    if args.block_size is not None and args.block_size <= 0:
+        raise ConfigError(f"--block-size must be a positive int, got {args.block_size}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise ConfigError(f"--out {args.out} exists and is not a directory")
+    if args.trace is not None and args.trace.exists() and not args.trace.is_file():
+        raise ConfigError(f"--trace {args.trace} is not a file")
     layout = _layout(args)
     requests, workload = _requests(args)
     if not requests:
         raise ConfigError(f"{workload} holds no requests")
     block_size = args.block_size or (512 if args.format == "mooncake" and args.trace else 16)
-    if block_size <= 0:
-        raise ConfigError(f"--block-size must be positive, got {block_size}")
     if args.cache_blocks is not None:
         capacity = args.cache_blocks
         if capacity <= 0:
             raise ConfigError(f"--cache-blocks must be positive, got {capacity}")
     else:
         gib = 1.0 if args.cache_gib is None else args.cache_gib
-        if gib <= 0:
-            raise ConfigError(f"--cache-gib must be positive, got {gib}")
+        if not gib > 0 or gib == float("inf"):
+            raise ConfigError(f"--cache-gib must be a positive finite number, got {gib}")
         capacity = layout.blocks_for_bytes(gib * GIB, block_size)
         if capacity < 1:
             raise ConfigError(f"{gib} GiB holds no block of {block_size} tokens of "
@@ -255,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "simulate":
             return simulate_command(args)
-    except (ConfigError, TraceFormatError, KVEvictError, FileNotFoundError) as exc:
+    except (ConfigError, TraceFormatError, KVEvictError, OSError) as exc:
         print(f"kvevict: error: {exc}", file=sys.stderr)
         return 2
     parser.error(f"unknown command {args.command}")

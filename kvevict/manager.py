@@ -102,16 +102,18 @@ class Sequence:
     """
 
     __slots__ = ("seq_id", "request", "block_table", "num_tokens", "num_cached_tokens",
-                 "status", "_hashes", "_known", "_prompt_hashes", "_prompt_slots",
-                 "_num_generated")
+                 "num_hit_slots", "status", "_hashes", "_known", "_prompt_hashes",
+                 "_prompt_slots", "_num_generated")
 
     def __init__(self, request: Request, prompt_hashes: list[Any], prompt_slots: int) -> None:
         self.seq_id = request.request_id
         self.request = request
         self.block_table: list[int] = []
         self.num_tokens = 0
-        #: prompt tokens found cached at the last begin / resume
+        #: tokens found cached at the last begin / resume (real tokens, at most the known)
         self.num_cached_tokens = 0
+        #: token slots the hit covered (a hash-only prompt's partial last block counts whole)
+        self.num_hit_slots = 0
         self.status = "running"
         self._hashes: list[Any] = []  # hash of each cached full block, in order
         # token mode: every known token id (prompt, then generated); None for hash mode
@@ -135,6 +137,13 @@ class Sequence:
     def num_pending(self) -> int:
         """Known token slots not yet allocated (to prefill or recompute)."""
         return self.num_known - self.num_tokens
+
+    def real_tokens(self, start: int, end: int) -> int:
+        """Tokens of slots ``[start, end)`` that are real: a hash-only prompt whose last
+        block is partial is padded to whole blocks, and padding is no work."""
+        pad_lo, pad_hi = self.request.prompt_len, self._prompt_slots
+        overlap = max(0, min(end, pad_hi) - max(start, pad_lo))
+        return end - start - overlap
 
     @property
     def tokens(self) -> list[int] | None:
@@ -420,11 +429,12 @@ class KVCacheManager:
             seq._hashes = old_hashes
             seq.num_tokens = 0
             raise
-        seq.num_cached_tokens = hit_tokens
+        seq.num_hit_slots = hit_tokens
+        seq.num_cached_tokens = seq.real_tokens(0, hit_tokens)
         stats = self.stats
         stats.requests += 1
         stats.prefix_cache_queries += query_tokens
-        stats.prefix_cache_hits += min(hit_tokens, query_tokens)
+        stats.prefix_cache_hits += min(seq.num_cached_tokens, query_tokens)
         stats.block_queries += len(hashes)
         stats.block_hits += len(hit)
 

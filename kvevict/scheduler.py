@@ -144,6 +144,12 @@ class PrefillChunk:
     start: int
     end: int
     samples: bool
+    #: real tokens computed (``end - start`` less the padding of a hash-only prompt)
+    computed: int = -1
+
+    def __attrs_post_init__(self) -> None:
+        if self.computed < 0:
+            object.__setattr__(self, "computed", self.end - self.start)
 
 
 @attrs.define
@@ -299,8 +305,9 @@ class Scheduler:
                         state, lambda s=seq, k=n: manager.prefill(s.seq_id, k), scheduled):
                     continue
                 samples = seq.num_pending == 0 and state.pending_token is None
-                plan.prefills.append(PrefillChunk(state, start, start + n, samples))
-                state.computed_prefill_tokens += n
+                real = seq.real_tokens(start, start + n)
+                plan.prefills.append(PrefillChunk(state, start, start + n, samples, real))
+                state.computed_prefill_tokens += real
                 budget -= n
             else:
                 if not self._schedule_decode(state, plan, scheduled):
@@ -326,6 +333,8 @@ class Scheduler:
                 state.deferrals += 1
                 deferred.append(self.waiting.popleft())
                 retry = now + max(exc.retry_after, 0.0)
+                if retry <= now:  # a wait too small to move the clock: move it one ulp
+                    retry = math.nextafter(now, math.inf)
                 self._retry_at = retry if self._retry_at is None else min(self._retry_at, retry)
                 continue
             except OutOfBlocks:
@@ -344,7 +353,7 @@ class Scheduler:
             state.seq = seq
             state.status = "running"
             self.running.append(state)
-            start = seq.num_cached_tokens
+            start = seq.num_hit_slots
             n = seq.num_tokens - start
             samples = seq.num_pending == 0 and state.pending_token is None
             if n == 0 and not samples:  # a resumed sequence, fully cached: decode now
@@ -352,8 +361,9 @@ class Scheduler:
                     scheduled.add(state.request_id)
                     budget -= 1
                 continue
-            plan.prefills.append(PrefillChunk(state, start, seq.num_tokens, samples))
-            computed = max(n, 1) if samples else n
+            real = seq.real_tokens(start, seq.num_tokens)
+            plan.prefills.append(PrefillChunk(state, start, seq.num_tokens, samples, real))
+            computed = max(real, 1) if samples else real
             state.computed_prefill_tokens += computed
             budget -= computed
         for state in reversed(deferred):

@@ -54,7 +54,7 @@ class CostModelExecutor(Executor):
         cost = self.cost
         seconds = 0.0
         for chunk in plan.prefills:
-            n = chunk.end - chunk.start
+            n = chunk.computed
             if n == 0:  # a fully cached prompt: recompute the last token's logits
                 seconds += cost.prefill_seconds(1, max(chunk.end - 1, 0))
             else:
@@ -127,6 +127,9 @@ class SimResult:
     steps: int
     makespan: float
     infinite_hit_tokens: int
+    #: prefill tokens an infinite cache would still compute (misses, and one token of a
+    #: fully cached prompt for its logits): what no policy can avoid
+    infinite_compute_tokens: int
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers (JSON-ready, rounded for stable output)."""
@@ -134,7 +137,7 @@ class SimResult:
         prompt = sum(r.prompt_tokens for r in recs)
         cached = sum(r.cached_tokens for r in recs)
         computed = sum(r.computed_prefill_tokens for r in recs)
-        compulsory = prompt - self.infinite_hit_tokens
+        compulsory = self.infinite_compute_tokens
         ttft = np.array([r.ttft for r in recs])
         wait = np.array([r.queue_wait for r in recs])
         out_tokens = sum(r.output_tokens for r in recs)
@@ -170,15 +173,16 @@ def _request_hashes(request: Request, block_size: int, with_output: bool) -> lis
         return list(request.block_hashes)
     tokens = request.tokens
     if with_output and request.output_tokens is not None:
-        tokens = np.concatenate([tokens, request.output_tokens])
+        # decode feeds back every sampled token but the last, so only those get cached
+        tokens = np.concatenate([tokens, request.output_tokens[:request.output_len - 1]])
     return block_hashes(tokens, block_size)
 
 
-def infinite_cache_hits(requests: SequenceABC[Request], block_size: int) -> int:
-    """Prompt tokens an infinite cache would hit, requests taken in arrival order (a
-    request's own answer is cached for the next turn, as decode caches it)."""
+def infinite_cache_hits(requests: SequenceABC[Request], block_size: int) -> list[int]:
+    """Prompt tokens an infinite cache would hit, per request in arrival order (a request's
+    own answer is cached for the next turn, as decode caches it)."""
     seen: set[Any] = set()
-    total = 0
+    hits: list[int] = []
     for r in sorted(requests, key=lambda r: r.arrival):
         hashes = _request_hashes(r, block_size, with_output=False)
         n = 0
@@ -186,9 +190,9 @@ def infinite_cache_hits(requests: SequenceABC[Request], block_size: int) -> int:
             if h not in seen:
                 break
             n += 1
-        total += min(n * block_size, r.prompt_len)
+        hits.append(min(n * block_size, r.prompt_len))
         seen.update(_request_hashes(r, block_size, with_output=True))
-    return total
+    return hits
 
 
 def simulate(requests: SequenceABC[Request], policy: str | Policy = "lru", *,
@@ -246,11 +250,14 @@ def simulate(requests: SequenceABC[Request], policy: str | Policy = "lru", *,
             executor.idle_until(ordered[i].arrival)
             continue
         scheduler.step(ordered[i].arrival if i < n else None)
+    inf_hits = infinite_cache_hits(ordered, block_size)
     records = tuple(RequestRecord.from_state(s)
                     for s in sorted(scheduler.finished, key=lambda s: s.arrival))
     return SimResult(
         policy=name, capacity_blocks=capacity_blocks, block_size=block_size, records=records,
         manager_stats=manager.stats.as_dict(), preemptions=scheduler.preemptions,
         steps=scheduler.steps, makespan=clock.now - ordered[0].arrival,
-        infinite_hit_tokens=infinite_cache_hits(ordered, block_size),
+        infinite_hit_tokens=sum(inf_hits),
+        infinite_compute_tokens=sum(max(r.prompt_len - h, 1)  # >= 1: the last token's
+                                    for r, h in zip(ordered, inf_hits, strict=True)),  # logits
     )

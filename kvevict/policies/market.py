@@ -926,7 +926,7 @@ class MarketAdmission(Admission):
             return AdmissionDecision(True)
         rid = request.request_id
         first = self._first.get(rid)
-        if first is not None and now - first >= self.max_wait:
+        if first is not None and now >= first + self.max_wait:
             return AdmissionDecision(True, reason=f"waited {now - first:.3g} s >= max_wait")
         quotes = self.market.cheapest(num_evictions, now)
         cost = sum(q.cost_s for q in quotes)
@@ -940,7 +940,7 @@ class MarketAdmission(Admission):
                 horizon = now - 2 * self.max_wait
                 self._first = {k: t for k, t in self._first.items() if t >= horizon}
         self.deferrals += 1
-        left = self.max_wait - (now - first)
+        left = (first + self.max_wait) - now  # > 0: the deadline, not a difference of waits
         mean_p = ask / cost if cost > 0 else 1.0
         return AdmissionDecision(
             False,
