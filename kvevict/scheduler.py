@@ -408,5 +408,6 @@ class Scheduler:
                 self.finished.append(state)
                 if self.on_finish is not None:
                     self.on_finish(state)
+                state.seq = None  # its blocks are released; keep the record, not the tokens
             else:
                 state.pending_token = token
