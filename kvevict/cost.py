@@ -32,7 +32,7 @@ import attrs
 from kvevict.errors import ConfigError
 from kvevict.layout import KVLayout, preset
 
-__all__ = ["MODEL_PARAMS", "CostModel"]
+__all__ = ["MODEL_PARAMS", "CostModel", "check_block_size", "check_cost_model"]
 
 #: Parameters per token of forward pass (activated parameters for MoE), from model cards.
 MODEL_PARAMS: dict[str, float] = {
@@ -154,3 +154,21 @@ class CostModel:
     def reload_seconds(self, nbytes: int) -> float:
         """Seconds to bring ``nbytes`` back from the lower tier."""
         return nbytes / self.reload_bytes_per_s
+
+
+def check_cost_model(cost_model: CostModel | None) -> CostModel:
+    """``cost_model``, or the default `CostModel` for None; `ConfigError` for anything else
+    (a policy parameter check)."""
+    if cost_model is None:
+        return CostModel()
+    if not isinstance(cost_model, CostModel):
+        raise ConfigError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+    return cost_model
+
+
+def check_block_size(block_size: int | None) -> int | None:
+    """A policy's optional ``block_size`` parameter: an int >= 1, or None."""
+    if block_size is not None and (isinstance(block_size, bool)
+                                   or not isinstance(block_size, int) or block_size < 1):
+        raise ConfigError(f"block_size must be an int >= 1 or None, got {block_size!r}")
+    return block_size

@@ -155,6 +155,19 @@ def _plt():
     return plt
 
 
+def _finish(plt: Any, fig: Any, ax: Any, path: Path, title: str, xlabel: str,
+            ylabel: str) -> None:
+    """Label, save (no timestamp metadata, so files are reproducible) and close a plot."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
 def plot_hit_ratio(sweep: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     """Token hit ratio against cache size, one line per policy; Belady dashed as the ceiling."""
     plt = _plt()
@@ -169,14 +182,7 @@ def plot_hit_ratio(sweep: Sequence[dict[str, Any]], path: Path, title: str) -> N
     if inf is not None:
         ax.axhline(inf, color="grey", linewidth=0.8, linestyle=":", label="infinite cache")
     ax.set_xscale("log")
-    ax.set_xlabel("cache size (blocks)")
-    ax.set_ylabel("token hit ratio")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Software": None})
-    plt.close(fig)
+    _finish(plt, fig, ax, path, title, "cache size (blocks)", "token hit ratio")
 
 
 def plot_ttft_cdf(ttfts: dict[str, Sequence[float]], path: Path, title: str) -> None:
@@ -191,11 +197,4 @@ def plot_ttft_cdf(ttfts: dict[str, Sequence[float]], path: Path, title: str) -> 
         style = {"linestyle": "--", "color": "black"} if p == "belady" else {}
         ax.step(xs, ys, where="post", label=p, **style)
     ax.set_xscale("symlog", linthresh=0.01)
-    ax.set_xlabel("time to first token (s)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Software": None})
-    plt.close(fig)
+    _finish(plt, fig, ax, path, title, "time to first token (s)", "fraction of requests")

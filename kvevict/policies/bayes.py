@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from kvevict.cost import CostModel
+from kvevict.cost import CostModel, check_block_size, check_cost_model
 from kvevict.errors import ConfigError
 from kvevict.policies.base import Policy, register_policy
 from kvevict.types import BlockInfo
@@ -164,15 +164,8 @@ class BayesReuse(Policy):
                               "randomness is injected, never global")
         self.thompson = thompson
         self.rng = rng
-        if cost_model is None:
-            cost_model = CostModel()
-        elif not isinstance(cost_model, CostModel):
-            raise ConfigError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
-        self.cost_model = cost_model
-        if block_size is not None and (isinstance(block_size, bool)
-                                       or not isinstance(block_size, int) or block_size < 1):
-            raise ConfigError(f"block_size must be an int >= 1 or None, got {block_size!r}")
-        self.block_size = block_size
+        self.cost_model = check_cost_model(cost_model)
+        self.block_size = check_block_size(block_size)
         if not isinstance(count_evictions, bool):
             raise ConfigError(f"count_evictions must be True or False, got {count_evictions!r}")
         self.count_evictions = count_evictions

@@ -52,7 +52,7 @@ import heapq
 import math
 from typing import Any
 
-from kvevict.cost import CostModel
+from kvevict.cost import CostModel, check_block_size, check_cost_model
 from kvevict.errors import ConfigError
 from kvevict.policies.base import Policy, register_policy
 from kvevict.types import BlockInfo
@@ -124,15 +124,8 @@ class DBMS(Policy):
         self.count_releases = count_releases
         self.rent_per_gib_s = _number("rent_per_gib_s", rent_per_gib_s)
         self.compute_value = _number("compute_value", compute_value, positive=True)
-        if cost_model is None:
-            cost_model = CostModel()
-        elif not isinstance(cost_model, CostModel):
-            raise ConfigError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
-        self.cost_model = cost_model
-        if block_size is not None and (isinstance(block_size, bool)
-                                       or not isinstance(block_size, int) or block_size < 1):
-            raise ConfigError(f"block_size must be an int >= 1 or None, got {block_size!r}")
-        self.block_size = block_size
+        self.cost_model = check_cost_model(cost_model)
+        self.block_size = check_block_size(block_size)
         self._states: dict[int, _State] = {}
         self._live: list[tuple] = []  # LRU-K keys of unexpired candidates
         self._expired: list[tuple] = []  # LRU-K keys of expired candidates
