@@ -29,3 +29,13 @@ def test_custom_policy_example_script_output():
     assert "deep-first: evicted (session, depth) = [('ann', 1), ('bob', 1), ('cy', 1), " \
            "('dee', 1), ('dee', 0)]" in out
     assert "stateful machine on deep-first: passed" in out
+
+
+def test_simulate_example_runs_and_belady_bounds_the_hit_ratio():
+    module = runpy.run_path(str(EXAMPLES / "simulate_workload.py"))
+    summaries = module["main"](duration=300.0, capacity_blocks=400)
+    by_policy = {s["policy"]: s for s in summaries}
+    assert set(by_policy) == {"lru", "market", "belady"}
+    assert by_policy["belady"]["token_hit_ratio"] >= by_policy["lru"]["token_hit_ratio"]
+    assert by_policy["belady"]["token_hit_ratio"] >= by_policy["market"]["token_hit_ratio"]
+    assert summaries == module["main"](duration=300.0, capacity_blocks=400)  # deterministic
