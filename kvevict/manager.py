@@ -710,8 +710,9 @@ class KVCacheManager:
         self._eviction_listeners.append(callback)
 
     def _evict_block(self, block: BlockInfo, now: float) -> None:
-        for listener in self._eviction_listeners:
-            listener(block, now)
+        if self._eviction_listeners:
+            for listener in self._eviction_listeners:
+                listener(block, now)
         block_id = block._id
         del self.tree.candidates[block_id]
         if self._withheld and self._withheld.pop(block_id, None) is not None:

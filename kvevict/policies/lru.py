@@ -36,3 +36,8 @@ class LRU(ScoredPolicy):
         if len(self._heap) > 2 * len(self._keys) + 64:
             self._heap = list(self._keys.values())
             heapq.heapify(self._heap)
+
+    def on_evict(self, block: BlockInfo, now: float) -> None:
+        self._keys.pop(block._id, None)
+
+    on_uncandidate = on_evict
