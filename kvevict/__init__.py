@@ -5,12 +5,26 @@ Core objects: `KVLayout` (bytes per token), `BlockPool` (physical blocks), `Pref
 the one place that mutates cache state.
 """
 
-from kvevict.errors import ConfigError, KVEvictError, OutOfBlocks, PolicyError, TraceFormatError
+from kvevict.admission import Admission, AdmissionDecision, AlwaysAdmit
+from kvevict.cost import CostModel
+from kvevict.errors import (
+    AdmissionDeferred,
+    ConfigError,
+    KVEvictError,
+    OutOfBlocks,
+    PolicyError,
+    TraceFormatError,
+)
 from kvevict.layout import KVLayout, from_hf_config
 from kvevict.manager import CacheStats, InvariantError, KVCacheManager, LookupResult, Sequence
 from kvevict.policies import (
+    DBMS,
     LFU,
     LRU,
+    BayesReuse,
+    Belady,
+    Market,
+    MarketAdmission,
     Policy,
     RefcountPinned,
     ScoredPolicy,
@@ -20,23 +34,35 @@ from kvevict.policies import (
 )
 from kvevict.pool import BlockPool
 from kvevict.prefix import PrefixTree, block_hashes, hash_block
+from kvevict.scheduler import Scheduler, SchedulerConfig
+from kvevict.sim import SimResult, simulate
 from kvevict.types import BlockInfo, ManualClock, MonotonicClock, Request, RetentionHint
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DBMS",
     "LFU",
     "LRU",
+    "Admission",
+    "AdmissionDecision",
+    "AdmissionDeferred",
+    "AlwaysAdmit",
+    "BayesReuse",
+    "Belady",
     "BlockInfo",
     "BlockPool",
     "CacheStats",
     "ConfigError",
+    "CostModel",
     "InvariantError",
     "KVCacheManager",
     "KVEvictError",
     "KVLayout",
     "LookupResult",
     "ManualClock",
+    "Market",
+    "MarketAdmission",
     "MonotonicClock",
     "OutOfBlocks",
     "Policy",
@@ -45,8 +71,11 @@ __all__ = [
     "RefcountPinned",
     "Request",
     "RetentionHint",
+    "Scheduler",
+    "SchedulerConfig",
     "ScoredPolicy",
     "Sequence",
+    "SimResult",
     "TraceFormatError",
     "__version__",
     "available_policies",
@@ -55,4 +84,5 @@ __all__ = [
     "hash_block",
     "make_policy",
     "register_policy",
+    "simulate",
 ]
