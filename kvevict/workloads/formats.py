@@ -42,6 +42,7 @@ import numpy as np
 from kvevict.errors import ConfigError, TraceFormatError
 from kvevict.types import BLOCK_KINDS, Request, RetentionHint
 from kvevict.workloads.generators import block_kinds_from_spans
+from kvevict.workloads.mooncake import lengths_and_block_ids
 
 __all__ = [
     "ALIBABA_BLOCK_SIZE",
@@ -347,28 +348,13 @@ def _parse_alibaba(obj: Any, path: str, line: int, block_size: int,
     ts = obj["timestamp"]
     if not _is_number(ts) or ts < 0:
         raise bad("timestamp", "a non-negative number of seconds")
-    input_length = obj["input_length"]
-    if not _is_int(input_length) or input_length < 1:
-        raise bad("input_length", "a positive integer (prompt tokens)")
-    output_length = obj["output_length"]
-    if not _is_int(output_length) or output_length < 0:
-        raise bad("output_length", "a non-negative integer (generated tokens)")
+    input_length, output_length, ids = lengths_and_block_ids(obj, bad, path, line)
     rtype = obj["type"]
     if not isinstance(rtype, str) or not rtype:
         raise bad("type", "a non-empty string such as text, search, image, file")
     turn = obj["turn"]
     if not _is_int(turn) or turn < 0:
         raise bad("turn", "a non-negative integer")
-    ids = obj["hash_ids"]
-    if not isinstance(ids, list):
-        raise bad("hash_ids", "a list of non-negative integer block ids")
-    for h in ids:
-        if not _is_int(h) or h < 0:
-            raise TraceFormatError(f"expected non-negative integer block ids, got {h!r} in the "
-                                   "list", path=path, line=line, field="hash_ids")
-    if len(set(ids)) != len(ids):
-        raise TraceFormatError("an id repeats within the list; expected prefix-chained "
-                               "distinct block ids", path=path, line=line, field="hash_ids")
     extra: dict[str, Any] = {"type": rtype, "parent_chat_id": parent}
     num_tokens = input_length
     if ids and num_tokens < block_size * (len(ids) - 1) + 1:

@@ -85,6 +85,32 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def lengths_and_block_ids(obj: dict[str, Any], bad: Any, path: str, line: int
+                          ) -> tuple[int, int, list[int]]:
+    """Check the fields block-id traces share (Mooncake, Alibaba): ``input_length`` >= 1,
+    ``output_length`` >= 0 and ``hash_ids``, a list of distinct non-negative ints.
+    ``bad(field, what)`` builds the `TraceFormatError` for a field."""
+    input_length = obj["input_length"]
+    if not _is_int(input_length) or input_length < 1:
+        raise bad("input_length", "a positive integer (prompt tokens)")
+    output_length = obj["output_length"]
+    if not _is_int(output_length) or output_length < 0:
+        raise bad("output_length", "a non-negative integer (generated tokens)")
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list):
+        raise bad("hash_ids", "a list of non-negative integer block ids")
+    for h in ids:
+        if not _is_int(h) or h < 0:
+            raise TraceFormatError(
+                f"expected non-negative integer block ids, got {h!r} in the list",
+                path=path, line=line, field="hash_ids",
+            )
+    if len(set(ids)) != len(ids):
+        raise TraceFormatError("an id repeats within the list; expected prefix-chained "
+                               "distinct block ids", path=path, line=line, field="hash_ids")
+    return input_length, output_length, ids
+
+
 def _parse_line(text: str, path: str, line: int, index: int, block_size: int,
                 workload_class: str) -> tuple[Request, int | float]:
     try:
@@ -110,24 +136,7 @@ def _parse_line(text: str, path: str, line: int, index: int, block_size: int,
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) \
             or ts < 0:
         raise bad("timestamp", "a non-negative number of milliseconds")
-    input_length = obj["input_length"]
-    if not _is_int(input_length) or input_length < 1:
-        raise bad("input_length", "a positive integer (prompt tokens)")
-    output_length = obj["output_length"]
-    if not _is_int(output_length) or output_length < 0:
-        raise bad("output_length", "a non-negative integer (generated tokens)")
-    ids = obj["hash_ids"]
-    if not isinstance(ids, list):
-        raise bad("hash_ids", "a list of non-negative integer block ids")
-    for h in ids:
-        if not _is_int(h) or h < 0:
-            raise TraceFormatError(
-                f"expected non-negative integer block ids, got {h!r} in the list",
-                path=path, line=line, field="hash_ids",
-            )
-    if len(set(ids)) != len(ids):
-        raise TraceFormatError("an id repeats within the list; expected prefix-chained "
-                               "distinct block ids", path=path, line=line, field="hash_ids")
+    input_length, output_length, ids = lengths_and_block_ids(obj, bad, path, line)
     num_tokens = input_length
     extra: dict[str, Any] = {}
     if ids:
