@@ -39,7 +39,7 @@ from kvevict.errors import (
 from kvevict.policies.base import Policy, make_policy
 from kvevict.pool import BlockPool
 from kvevict.prefix import ROOT_HASH, PrefixTree, block_hashes
-from kvevict.types import BlockInfo, ManualClock, Request, as_token_array
+from kvevict.types import MAX_SHARERS, BlockInfo, ManualClock, Request, as_token_array
 
 __all__ = ["CacheStats", "InvariantError", "KVCacheManager", "LookupResult", "Sequence"]
 
@@ -413,7 +413,10 @@ class KVCacheManager:
                 block._last_access = now
                 block._last_access_tick = tick
                 block._hit_count += 1
-                block._sharers[session] = now
+                sharers = block._sharers
+                sharers[session] = now
+                if len(sharers) > MAX_SHARERS:  # keep the most recent sessions only
+                    del sharers[min(sharers, key=sharers.__getitem__)]
                 block._last_hit_session = session
                 if retention is not None:
                     block._retention = retention
@@ -550,7 +553,10 @@ class KVCacheManager:
         existing = cached.get(block_hash)
         if existing is not None:  # computed twice concurrently: keep the cached copy
             self._acquire_all((existing,), now)
-            existing._sharers[seq.request.session_id] = now
+            sharers = existing._sharers
+            sharers[seq.request.session_id] = now
+            if len(sharers) > MAX_SHARERS:
+                del sharers[min(sharers, key=sharers.__getitem__)]
             seq.block_table[depth] = existing._id
             self.pool.decref(block_id)
             self.pool.free(block_id)

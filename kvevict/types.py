@@ -13,6 +13,7 @@ from kvevict.errors import ConfigError
 
 __all__ = [
     "BLOCK_KINDS",
+    "MAX_SHARERS",
     "WORKLOAD_CLASSES",
     "BlockInfo",
     "ManualClock",
@@ -24,6 +25,10 @@ __all__ = [
 
 #: The built-in workload classes. Any other non-empty string is accepted too (extensible).
 WORKLOAD_CLASSES = ("chat", "agent", "rag", "single_shot", "batch")
+
+#: Sessions a block remembers as sharers (the most recent ones): bounds a popular system
+#: prompt's record, which thousands of sessions may hit.
+MAX_SHARERS = 64
 
 #: What a block's tokens are: see `Request.block_kinds`.
 BLOCK_KINDS = ("prompt", "context", "output")
@@ -267,9 +272,11 @@ class BlockInfo:
     hit_count = property(lambda self: self._hit_count,
                          doc="Prefix-cache hits on this block (decode appends are not hits).")
     sharers = property(lambda self: dict(self._sharers),
-                       doc="Distinct sessions that used the block -> last use time (a copy).")
+                       doc="Distinct sessions that used the block -> last use time (a copy; "
+                           "the MAX_SHARERS most recent).")
     num_sharers = property(lambda self: len(self._sharers),
-                           doc="Number of distinct sessions that used the block.")
+                           doc="Number of distinct sessions that used the block (at most "
+                               "MAX_SHARERS are remembered).")
     ref_count = property(lambda self: self._ref_count, doc="Running sequences using it.")
     retention = property(lambda self: self._retention,
                          doc="Retention hint of the request that last used it, if any.")

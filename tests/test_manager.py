@@ -777,3 +777,17 @@ def test_trace_block_id_zero_is_a_block_not_the_root(clock):
     m.check()
     assert m.begin(Request(3, block_hashes=[0, 1], num_tokens=8)).num_cached_tokens == 4
     m.check()
+
+
+def test_a_popular_block_remembers_only_the_most_recent_sharers(clock):
+    from kvevict.types import MAX_SHARERS
+
+    m = KVCacheManager(BlockPool(8, 4), "lru", clock=clock)
+    for i in range(MAX_SHARERS + 10):
+        clock.advance(1.0)
+        m.begin(Request(i, tokens=[1, 2, 3, 4, 9], session_id=f"s{i}"))
+        m.finish(i)
+    block = m.block(m.lookup([1, 2, 3, 4]).block_ids[0])
+    assert block.num_sharers == MAX_SHARERS
+    assert set(block.sharers) == {f"s{i}" for i in range(10, MAX_SHARERS + 10)}
+    m.check()
