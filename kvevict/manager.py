@@ -156,6 +156,15 @@ class Sequence:
                 f"cached={self.num_cached_tokens})")
 
 
+def _note_sharer(block: BlockInfo, session: Any, now: float) -> None:
+    """Record that ``session`` used ``block`` at ``now``, keeping the MAX_SHARERS most recent
+    sessions only (a popular system prompt is used by thousands)."""
+    sharers = block._sharers
+    sharers[session] = now
+    if len(sharers) > MAX_SHARERS:
+        del sharers[min(sharers, key=sharers.__getitem__)]
+
+
 class KVCacheManager:
     """Paged KV-cache residency with prefix caching and a pluggable eviction policy.
 
@@ -413,10 +422,7 @@ class KVCacheManager:
                 block._last_access = now
                 block._last_access_tick = tick
                 block._hit_count += 1
-                sharers = block._sharers
-                sharers[session] = now
-                if len(sharers) > MAX_SHARERS:  # keep the most recent sessions only
-                    del sharers[min(sharers, key=sharers.__getitem__)]
+                _note_sharer(block, session, now)
                 block._last_hit_session = session
                 if retention is not None:
                     block._retention = retention
@@ -553,10 +559,7 @@ class KVCacheManager:
         existing = cached.get(block_hash)
         if existing is not None:  # computed twice concurrently: keep the cached copy
             self._acquire_all((existing,), now)
-            sharers = existing._sharers
-            sharers[seq.request.session_id] = now
-            if len(sharers) > MAX_SHARERS:
-                del sharers[min(sharers, key=sharers.__getitem__)]
+            _note_sharer(existing, seq.request.session_id, now)
             seq.block_table[depth] = existing._id
             self.pool.decref(block_id)
             self.pool.free(block_id)
@@ -615,7 +618,6 @@ class KVCacheManager:
         records = self._records
         pool = self.pool
         ref, used, free = pool._ref, pool._used, pool._free
-        candidates = self.tree.candidates
         tick = self._tick
         for block_id in reversed(seq.block_table):
             ref[block_id] -= 1
@@ -633,12 +635,7 @@ class KVCacheManager:
                 self._num_evictable += 1
                 if block._num_children == 0:
                     self._tick = tick
-                    if block_id in self._pins:
-                        candidates[block_id] = block
-                        self._withheld[block_id] = block
-                    else:
-                        candidates[block_id] = block
-                        self.policy.on_candidate(block, now)
+                    self._add_candidate(block, now)
         self._tick = tick
         seq.block_table = []
 
