@@ -160,9 +160,11 @@ def _note_sharer(block: BlockInfo, session: Any, now: float) -> None:
     """Record that ``session`` used ``block`` at ``now``, keeping the MAX_SHARERS most recent
     sessions only (a popular system prompt is used by thousands)."""
     sharers = block._sharers
+    # re-insert so the dict stays in order of last use (the clock never goes back): the
+    # first key is the least recent sharer, dropped in O(1)
+    if sharers.pop(session, None) is None and len(sharers) >= MAX_SHARERS:
+        del sharers[next(iter(sharers))]
     sharers[session] = now
-    if len(sharers) > MAX_SHARERS:
-        del sharers[min(sharers, key=sharers.__getitem__)]
 
 
 class KVCacheManager:
@@ -352,20 +354,25 @@ class KVCacheManager:
         hashes = self._known_hashes(seq)
         cached = self.tree._blocks
         hit: list[BlockInfo] = []
+        hit_free = 0  # hit blocks no running sequence holds (they stop being evictable)
         if seq._known is None:  # hash ids from a trace: check they are chained
             parent = ROOT_HASH
-            for depth, h in enumerate(hashes):
+            depth = 0
+            for h in hashes:
                 block = cached.get(h)
                 if block is None:
                     break
-                if block._depth != depth or (depth and block._parent != parent):
+                if block._parent != parent or block._depth != depth:
                     raise ConfigError(
                         f"request {seq.seq_id!r}: block id {h!r} is cached under parent "
                         f"{block._parent!r} but follows {parent!r} here; block_hashes must "
                         "be prefix-chained"
                     )
+                if not block._ref_count:
+                    hit_free += 1
                 hit.append(block)
                 parent = h
+                depth += 1
             if not cached.keys().isdisjoint(hashes[len(hit) + 1:]):
                 h = next(h for h in hashes[len(hit) + 1:] if h in cached)
                 raise ConfigError(
@@ -377,15 +384,13 @@ class KVCacheManager:
                 block = cached.get(h)
                 if block is None:
                     break
+                if not block._ref_count:
+                    hit_free += 1
                 hit.append(block)
         known = seq.num_known
         hit_tokens = min(len(hit) * bs, known)
         target = known if max_new_tokens is None else min(known, hit_tokens + max_new_tokens)
         need = -(-target // bs) - len(hit)
-        hit_free = 0
-        for block in hit:
-            if block._ref_count == 0:
-                hit_free += 1
         available = len(self.pool._free) + self._num_evictable - hit_free
         if need > available:
             raise OutOfBlocks(
@@ -422,8 +427,11 @@ class KVCacheManager:
                 block._last_access = now
                 block._last_access_tick = tick
                 block._hit_count += 1
-                _note_sharer(block, session, now)
                 block._last_hit_session = session
+                sharers = block._sharers  # _note_sharer, inlined (hot)
+                if sharers.pop(session, None) is None and len(sharers) >= MAX_SHARERS:
+                    del sharers[next(iter(sharers))]
+                sharers[session] = now
                 if retention is not None:
                     block._retention = retention
                 if on_hit is not None:
@@ -535,8 +543,9 @@ class KVCacheManager:
         if seq._known is None:  # hash mode: listed blocks are cacheable when computed
             listed = seq._prompt_hashes
             done = len(listed) if target >= seq._prompt_slots else target // bs
-            for depth in range(len(seq._hashes), min(done, len(listed))):
-                self._cache_block(seq, depth, listed[depth], now, created_by)
+            first = len(seq._hashes)
+            if first < min(done, len(listed)):
+                self._cache_listed(seq, first, min(done, len(listed)), now, created_by)
         else:
             prompt_hashes = seq._prompt_hashes
             for depth in range(len(seq._hashes), target // bs):
@@ -550,6 +559,41 @@ class KVCacheManager:
         used = pool.num_used
         if used > self.stats.peak_blocks_used:
             self.stats.peak_blocks_used = used
+
+    def _cache_listed(self, seq: Sequence, first: int, end: int, now: float,
+                      created_by: str) -> None:
+        """`_cache_block` for blocks ``first..end-1`` of a hash-mode request, in one loop
+        (the simulator's and the trace replay's hot path)."""
+        cached = self.tree._blocks
+        records = self._records
+        table, hashes, listed = seq.block_table, seq._hashes, seq._prompt_hashes
+        request = seq.request
+        kinds = request.block_kinds
+        nbytes = self.pool.bytes_per_block
+        cls, session, retention = request.workload_class, request.session_id, request.retention
+        on_insert = self._on_insert
+        parent = hashes[-1] if first else ROOT_HASH  # seq holds the parent: cached
+        for depth in range(first, end):
+            block_hash = listed[depth]
+            if block_hash in cached:  # computed twice concurrently: keep the cached copy
+                self._cache_block(seq, depth, block_hash, now, created_by)
+                parent = block_hash
+                continue
+            self._tick += 1
+            kind = kinds[depth] if kinds is not None and depth < len(kinds) else "prompt"
+            block_id = table[depth]
+            block = BlockInfo(block_id, block_hash, parent, depth, None, nbytes, cls, session,
+                              now, self._tick, retention, created_by, kind)
+            block._ref_count = 1
+            if depth:  # the parent is held by seq: it was no candidate and stays none
+                cached[parent]._num_children += 1
+            cached[block_hash] = block
+            records[block_id] = block
+            hashes.append(block_hash)
+            self.stats.inserted_blocks += 1
+            if on_insert is not None:
+                on_insert(block, now)
+            parent = block_hash
 
     def _cache_block(self, seq: Sequence, depth: int, block_hash: Any, now: float,
                      created_by: str) -> None:
@@ -644,7 +688,7 @@ class KVCacheManager:
         ref = self.pool._ref
         candidates = self.tree.candidates
         for block in blocks:
-            if block._ref_count == 0:
+            if not block._ref_count:
                 self._num_evictable -= 1
                 if block._id in candidates:
                     self._drop_candidate(block, now)
@@ -679,6 +723,9 @@ class KVCacheManager:
         candidates = self.tree.candidates
         withheld = self._withheld
         victim = self.policy.victim
+        if not withheld and not self._eviction_listeners:
+            self._evict_fast(count, now)
+            return
         evict_block = self._evict_block
         for _ in range(count):
             victim_id = victim(now)
@@ -702,6 +749,53 @@ class KVCacheManager:
                         f"{what} (candidates are cached, unused leaves)"
                     )
             evict_block(block, now)
+
+    def _evict_fast(self, count: int, now: float) -> None:
+        """`_evict` with `_evict_block` inlined, for the common case: no pinned candidate, no
+        listener (the hot path of a cache under pressure)."""
+        candidates = self.tree.candidates
+        policy = self.policy
+        victim, on_evict = policy.victim, policy.on_evict
+        cached = self.tree._blocks
+        records = self._records
+        pool = self.pool
+        used, free = pool._used, pool._free
+        stats = self.stats
+        by_class = stats.evictions_by_class
+        pins = self._pins
+        on_candidate = policy.on_candidate
+        for _ in range(count):
+            victim_id = victim(now)
+            block = candidates.get(victim_id) if victim_id is not None else None
+            if block is None:
+                if victim_id is None:
+                    raise PolicyError(
+                        f"{policy!r}.victim() returned None but it holds {len(candidates)} "
+                        "candidates"
+                    )
+                raise PolicyError(
+                    f"{policy!r}.victim() returned block {victim_id!r}, which is not a "
+                    "candidate (candidates are cached, unused leaves)"
+                )
+            del candidates[victim_id]
+            on_evict(block, now)
+            del cached[block._hash]
+            del records[victim_id]
+            self._num_evictable -= 1
+            used[victim_id] = False
+            free.append(victim_id)
+            stats.evictions += 1
+            cls = block._workload_class
+            by_class[cls] = by_class.get(cls, 0) + 1
+            if block._depth:  # the parent may have become a leaf, hence a candidate
+                parent = cached[block._parent]
+                parent._num_children -= 1
+                if not parent._num_children and not parent._ref_count:
+                    if parent._id in pins:
+                        self._add_candidate(parent, now)
+                    else:  # _add_candidate, inlined
+                        candidates[parent._id] = parent
+                        on_candidate(parent, now)
 
     def add_eviction_listener(self, callback: Callable[[BlockInfo, float], None]) -> None:
         """Call ``callback(block, now)`` just before each eviction (the block still cached).

@@ -14,6 +14,7 @@ is the same.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 
 from kvevict.policies.base import ScoredPolicy, register_policy
 from kvevict.types import BlockInfo
@@ -23,21 +24,56 @@ __all__ = ["LRU"]
 
 @register_policy("lru")
 class LRU(ScoredPolicy):
-    """Evict the candidate released or hit longest ago. O(log n) per event."""
+    """Evict the candidate released or hit longest ago. O(1) per event in the common case.
+
+    The manager stamps every access with an increasing counter (``last_access_tick``) while
+    the clock never goes back, so ordering by ``(last_access, last_access_tick)`` is ordering
+    by the tick alone. A block released by a finishing request becomes a candidate with the
+    newest tick: it goes to the end of an ordered queue (vLLM's free-block queue). A block
+    that becomes a candidate with an *older* tick (a parent left a leaf by an eviction, a
+    rolled-back hit, an unpinned block) goes to a small heap instead; the victim is the older
+    of the queue's head and the heap's top.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._queue: OrderedDict[int, int] = OrderedDict()  # block id -> tick, ascending
+        self._late: list[tuple[int, int]] = []  # heap of (tick, block id), lazily cleaned
+        self._late_ticks: dict[int, int] = {}  # live heap entries: block id -> tick
+        self._newest = -1  # tick of the queue's last entry
 
     def score(self, block: BlockInfo, now: float) -> float:
         return block.last_access
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
-        # ScoredPolicy.on_candidate with score() inlined: LRU is the hot baseline
-        key = (block._last_access, block._last_access_tick, block._id)
-        self._keys[block._id] = key
-        heapq.heappush(self._heap, key)
-        if len(self._heap) > 2 * len(self._keys) + 64:
-            self._heap = list(self._keys.values())
-            heapq.heapify(self._heap)
+        tick = block._last_access_tick
+        if tick > self._newest:
+            self._queue[block._id] = tick
+            self._newest = tick
+        else:
+            self._late_ticks[block._id] = tick
+            heapq.heappush(self._late, (tick, block._id))
 
     def on_evict(self, block: BlockInfo, now: float) -> None:
-        self._keys.pop(block._id, None)
+        if self._queue.pop(block._id, None) is None:
+            self._late_ticks.pop(block._id, None)
 
     on_uncandidate = on_evict
+
+    def victim(self, now: float) -> int | None:
+        late, live = self._late, self._late_ticks
+        while late:
+            tick, block_id = late[0]
+            if live.get(block_id) == tick:
+                break
+            heapq.heappop(late)  # evicted, dropped or re-offered since it was pushed
+        queue = self._queue
+        if queue:
+            first = next(iter(queue))
+            if late and late[0][0] < queue[first]:
+                return late[0][1]
+            return first
+        return late[0][1] if late else None
+
+    def __len__(self) -> int:
+        return len(self._queue) + len(self._late_ticks)
