@@ -36,12 +36,23 @@ from kvevict.pool import BlockPool
 from kvevict.prefix import PrefixTree, block_hashes, hash_block
 from kvevict.scheduler import Scheduler, SchedulerConfig
 from kvevict.sim import SimResult, simulate
+from kvevict.tokens import (
+    H2O,
+    KeyNorm,
+    SnapKV,
+    StreamingLLM,
+    TokenPolicy,
+    available_token_policies,
+    make_token_policy,
+    register_token_policy,
+)
 from kvevict.types import BlockInfo, ManualClock, MonotonicClock, Request, RetentionHint
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DBMS",
+    "H2O",
     "LFU",
     "LRU",
     "Admission",
@@ -59,6 +70,7 @@ __all__ = [
     "KVCacheManager",
     "KVEvictError",
     "KVLayout",
+    "KeyNorm",
     "LookupResult",
     "ManualClock",
     "Market",
@@ -76,13 +88,19 @@ __all__ = [
     "ScoredPolicy",
     "Sequence",
     "SimResult",
+    "SnapKV",
+    "StreamingLLM",
+    "TokenPolicy",
     "TraceFormatError",
     "__version__",
     "available_policies",
+    "available_token_policies",
     "block_hashes",
     "from_hf_config",
     "hash_block",
     "make_policy",
+    "make_token_policy",
     "register_policy",
+    "register_token_policy",
     "simulate",
 ]
