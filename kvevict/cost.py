@@ -24,7 +24,10 @@ can be overridden, and ``kvevict calibrate`` fits them to a real engine.
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -59,6 +62,11 @@ def _non_negative(instance: Any, attribute: Any, value: Any) -> None:
         raise ConfigError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
 
 
+def _bool(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{attribute.name} must be True or False, got {value!r}")
+
+
 def _positive(instance: Any, attribute: Any, value: Any) -> None:
     _non_negative(instance, attribute, value)
     if value == 0:
@@ -77,6 +85,14 @@ class CostModel:
         decode_s_per_context_token: extra decode seconds per token of context (KV read).
         reload_bytes_per_s: lower-tier to device bandwidth for reloads.
         kv_bytes_per_token: KV bytes per token (from the layout), used for reload sizes.
+        decode_s_per_seq: extra decode seconds per sequence in the batch (per-sequence work
+            that does not scale with the context: a small engine's launch and gather
+            overhead). 0 by default (a large GPU engine's batch is one kernel per layer);
+            ``kvevict calibrate`` fits it.
+        decode_pads_batch: a decode batch costs as if every sequence had the longest
+            context of the batch (an engine that pads the batch to one dense attention call,
+            like kvevict's built-in one) rather than the sum of the contexts (a paged
+            attention kernel). False by default; ``kvevict calibrate`` measures which.
     """
 
     linear_s_per_token: float = attrs.field(default=2.0 * 8.03e9 / (H100_BF16_FLOPS * 0.5),
@@ -90,6 +106,8 @@ class CostModel:
                                                     validator=_non_negative)
     reload_bytes_per_s: float = attrs.field(default=PCIE5_X16_BYTES_PER_S, validator=_positive)
     kv_bytes_per_token: int = attrs.field(default=131072, validator=_non_negative)
+    decode_s_per_seq: float = attrs.field(default=0.0, validator=_non_negative)
+    decode_pads_batch: bool = attrs.field(default=False, validator=_bool)
 
     @classmethod
     def for_model(cls, model: str | KVLayout, params: float | None = None, *,
@@ -144,8 +162,21 @@ class CostModel:
                 + self.attn_s_per_pair * n * (c + (n + 1) / 2))
 
     def decode_seconds(self, context_tokens: int, batch: int = 1) -> float:
-        """Seconds for one decode step of ``batch`` sequences of ``context_tokens`` each."""
-        return self.decode_step_s + batch * context_tokens * self.decode_s_per_context_token
+        """Seconds for one decode step of ``batch`` sequences of ``context_tokens`` each
+        (`decode_batch_seconds` for sequences of different lengths)."""
+        return (self.decode_step_s + batch * self.decode_s_per_seq
+                + batch * context_tokens * self.decode_s_per_context_token)
+
+    def decode_batch_seconds(self, contexts: Sequence[int]) -> float:
+        """Seconds for one decode step over sequences with these context lengths (0 for
+        none): the fixed step, per sequence, and per context token, where a padding engine
+        (`decode_pads_batch`) pays every sequence the longest context."""
+        if not contexts:
+            return 0.0
+        b = len(contexts)
+        context = b * max(contexts) if self.decode_pads_batch else sum(contexts)
+        return (self.decode_step_s + b * self.decode_s_per_seq
+                + context * self.decode_s_per_context_token)
 
     def recompute_seconds(self, depth: int, block_size: int) -> float:
         """Seconds to recompute block ``depth`` (its ``block_size`` tokens after the prefix)."""
@@ -154,6 +185,64 @@ class CostModel:
     def reload_seconds(self, nbytes: int) -> float:
         """Seconds to bring ``nbytes`` back from the lower tier."""
         return nbytes / self.reload_bytes_per_s
+
+    def scaled(self, factor: float) -> CostModel:
+        """This model on an engine ``factor`` times slower: every duration multiplied by
+        ``factor`` (the reload bandwidth divided by it). The engine benchmark uses it to
+        express measured engine seconds on a time-compressed workload's clock."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                math.isfinite(factor) and factor > 0):
+            raise ConfigError(f"factor must be a positive finite number, got {factor!r}")
+        return attrs.evolve(
+            self, linear_s_per_token=self.linear_s_per_token * factor,
+            attn_s_per_pair=self.attn_s_per_pair * factor,
+            prefill_overhead_s=self.prefill_overhead_s * factor,
+            decode_step_s=self.decode_step_s * factor,
+            decode_s_per_context_token=self.decode_s_per_context_token * factor,
+            decode_s_per_seq=self.decode_s_per_seq * factor,
+            reload_bytes_per_s=self.reload_bytes_per_s / factor)
+
+    def to_dict(self) -> dict[str, float]:
+        """The fields as a JSON-ready dict (`from_dict` reads it back)."""
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CostModel:
+        """A cost model from a dict of fields (missing ones keep their defaults), or from
+        the JSON `kvevict calibrate` writes (its ``"cost_model"`` entry). Unknown fields
+        raise `ConfigError`."""
+        if isinstance(data, dict) and isinstance(data.get("cost_model"), dict):
+            data = data["cost_model"]
+        if not isinstance(data, dict):
+            raise ConfigError(f"a cost model is a JSON object of fields, got "
+                              f"{type(data).__name__}")
+        names = [f.name for f in attrs.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown cost model field(s) {', '.join(map(repr, unknown))}; "
+                              f"valid fields: {', '.join(names)}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        """Write the fields to ``path`` as JSON."""
+        Path(path).write_text(json.dumps({"cost_model": self.to_dict()}, indent=2,
+                                         sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        """Read a cost model saved by `save` or by ``kvevict calibrate``; a missing or
+        malformed file raises `ConfigError` naming it."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"cost model file {path} does not exist") from None
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read cost model file {path}: {exc}") from None
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
 
 
 def check_cost_model(cost_model: CostModel | None) -> CostModel:

@@ -363,6 +363,7 @@ class Scheduler:
                 continue
             real = seq.real_tokens(start, seq.num_tokens)
             plan.prefills.append(PrefillChunk(state, start, seq.num_tokens, samples, real))
+            scheduled.add(state.request_id)  # in this step's plan: not to be preempted now
             computed = max(real, 1) if samples else real
             state.computed_prefill_tokens += computed
             budget -= computed

@@ -44,7 +44,8 @@ __all__ = ["CostModelExecutor", "RequestRecord", "SimResult", "infinite_cache_hi
 
 class CostModelExecutor(Executor):
     """Virtual time: a step costs the sum of its prefill chunks' `CostModel.prefill_seconds`
-    plus one decode step over the batch's contexts; the clock advances by that much."""
+    plus one decode step over the batch (`CostModel.decode_batch_seconds`); the clock
+    advances by that much."""
 
     def __init__(self, cost: CostModel, clock: ManualClock) -> None:
         self.cost = cost
@@ -60,8 +61,8 @@ class CostModelExecutor(Executor):
             else:
                 seconds += cost.prefill_seconds(n, chunk.start)
         if plan.decodes:
-            context = sum(s.seq.num_tokens for s in plan.decodes)  # type: ignore[union-attr]
-            seconds += cost.decode_step_s + context * cost.decode_s_per_context_token
+            seconds += cost.decode_batch_seconds(
+                [s.seq.num_tokens for s in plan.decodes])  # type: ignore[union-attr]
         return seconds
 
     def execute(self, plan: StepPlan, manager: KVCacheManager) -> StepOutput:

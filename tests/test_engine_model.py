@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvevict.engine import LlamaModel, ModelConfig
+from kvevict.engine.model import RopeScaling
 from kvevict.errors import ConfigError
 from kvevict.layout import KVLayout
 from kvevict.pool import BlockPool
@@ -197,3 +198,139 @@ def test_bad_inputs_raise_and_leave_pool_unchanged(model):
     with pytest.raises(ConfigError, match="start"):
         model.forward_paged(pool, [(tokens(2), -1, table)])
     assert torch.equal(pool.kv, snapshot)
+
+
+def test_mixed_batch_of_prefills_and_decodes_in_one_call(model):
+    """Entries of any kind, in any order: each gets its own logits, equal to dense."""
+    pool = make_pool(model.config, num_blocks=48)
+    seqs = [tokens(n, seed=20 + n) for n in (9, 6, 14, 11)]
+    tables = [grow(pool, [], len(s)) for s in seqs]
+    # sequences 1 and 3 already have all but their last token in the pool
+    for i in (1, 3):
+        model.forward_paged(pool, [(seqs[i][:-1], 0, tables[i])])
+    batch = [
+        (seqs[0], 0, tables[0]),                         # full prefill
+        (seqs[1][-1:], len(seqs[1]) - 1, tables[1]),     # decode
+        (seqs[2][:5], 0, tables[2]),                     # first prefill chunk
+        (seqs[3][-1:], len(seqs[3]) - 1, tables[3]),     # decode
+    ]
+    last = model.forward_paged(pool, batch)
+    every = model.forward_paged(pool, batch, return_all=True)
+    dense = [model.forward_dense(seqs[0]), model.forward_dense(seqs[1]),
+             model.forward_dense(seqs[2][:5]), model.forward_dense(seqs[3])]
+    assert [tuple(e.shape) for e in every] == [(9, 97), (1, 97), (5, 97), (1, 97)]
+    for i in range(4):
+        torch.testing.assert_close(last[i], dense[i][-1], **TOL)
+        torch.testing.assert_close(every[i], dense[i][-every[i].shape[0]:], **TOL)
+    # then the rest of the chunked sequence, after its cached first chunk
+    logits = model.forward_paged(pool, [(seqs[2][5:], 5, tables[2])])
+    torch.testing.assert_close(logits[0], model.forward_dense(seqs[2])[-1], **TOL)
+
+
+@pytest.mark.parametrize("sliding_layers", [None, (1,)])
+def test_sliding_window_paged_matches_dense(sliding_layers):
+    cfg = tiny_config(sliding_window=6, sliding_layers=sliding_layers)
+    model = LlamaModel(cfg, seed=3)
+    assert [cfg.layer_window(i) for i in range(2)] == \
+        ([6, 6] if sliding_layers is None else [None, 6])
+    pool = make_pool(cfg, num_blocks=48)
+    seqs = [tokens(n, seed=30 + n) for n in (5, 17, 26)]
+    tables = []
+    for s in seqs:  # prefill in chunks of 7: later chunks start past the window
+        table: list[int] = []
+        for pos in range(0, len(s) - 3, 7):
+            chunk = s[pos:min(pos + 7, len(s) - 3)]
+            grow(pool, table, pos + len(chunk))
+            logits = model.forward_paged(pool, [(chunk, pos, table)])
+            torch.testing.assert_close(logits[0], model.forward_dense(s[:pos + len(chunk)])[-1],
+                                       **TOL)
+        tables.append(table)
+    for back in (3, 2, 1):  # batched decode of different lengths, windows in other blocks,
+        batch = []          # then (back == 1) one sequence per call
+        for s, table in zip(seqs, tables):
+            pos = len(s) - back
+            batch.append((s[pos:pos + 1], pos, grow(pool, table, pos + 1)))
+        if back > 1:
+            logits = model.forward_paged(pool, batch)
+        else:
+            logits = torch.cat([model.forward_paged(pool, [entry]) for entry in batch])
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(logits[i], model.forward_dense(s[:len(s) - back + 1])[-1],
+                                       **TOL)
+    # the window really limits attention: a token outside it does not change the last logits
+    ids = tokens(12, seed=40)
+    other = ids.clone()
+    other[0] = (other[0] + 1) % 97
+    if sliding_layers is None:  # 2 layers x window 6 reach back 10 positions, not 11
+        torch.testing.assert_close(model.forward_dense(ids)[-1], model.forward_dense(other)[-1])
+    else:
+        assert not torch.allclose(model.forward_dense(ids)[-1], model.forward_dense(other)[-1])
+
+
+def test_biases_tied_embeddings_and_rope_scaling_paged_match_dense():
+    cfg = tiny_config(qkv_bias=True, o_bias=True, mlp_bias=True, tie_embeddings=True,
+                      rope_scaling=RopeScaling("llama3", 8.0, original_max_position_embeddings=8),
+                      attention_scale=0.2)
+    model = LlamaModel(cfg, seed=4)
+    assert model.lm_head is model.embed
+    assert "lm_head" not in model.weights() and "layers.1.b_down" in model.weights()
+    pool = make_pool(cfg)
+    ids = tokens(15, seed=41)
+    table = grow(pool, [], 15)
+    model.forward_paged(pool, [(ids[:9], 0, table)])
+    logits = model.forward_paged(pool, [(ids[9:], 9, table)], return_all=True)[0]
+    torch.testing.assert_close(logits, model.forward_dense(ids)[9:], **TOL)
+    # every option changes the output
+    plain = LlamaModel(tiny_config(), seed=4).forward_dense(ids)
+    assert not torch.allclose(model.forward_dense(ids), plain, atol=1e-3)
+
+
+def test_from_weights_round_trip_and_seeded_weights_unchanged():
+    model = LlamaModel(tiny_config(), seed=7)
+    copy = LlamaModel.from_weights(model.config, model.weights())
+    ids = tokens(10, seed=42)
+    assert torch.equal(copy.forward_dense(ids), model.forward_dense(ids))
+    assert copy.seed is None and model.seed == 7
+    # the fused q/k/v and gate/up matrices are exposed as views with the documented shapes
+    layer = model.layers[0]
+    assert layer["wq"].shape == (32, 32) and layer["wk"].shape == (16, 32)
+    assert layer["w_gate"].shape == (64, 32) and layer["w_down"].shape == (32, 64)
+    # random draws keep their order: the same seed gives the same weights as before biases
+    gen = torch.Generator().manual_seed(7)
+    first = torch.randn(97, 32, generator=gen) * 0.02
+    assert torch.equal(model.embed, first)
+    assert torch.equal(layer["wq"], torch.randn(32, 32, generator=gen) * 0.02)
+
+
+def test_new_config_options_validate():
+    with pytest.raises(ConfigError, match="sliding_layers is set but sliding_window is None"):
+        tiny_config(sliding_layers=(0,))
+    with pytest.raises(ConfigError, match="sliding_layers must be distinct"):
+        tiny_config(sliding_window=4, sliding_layers=(0, 2))
+    with pytest.raises(ConfigError, match="sliding_window"):
+        tiny_config(sliding_window=0)
+    with pytest.raises(ConfigError, match="qkv_bias must be a bool"):
+        tiny_config(qkv_bias=1)
+    with pytest.raises(ConfigError, match="'yarn' is not supported; supported: linear, llama3"):
+        RopeScaling("yarn", 2.0)
+    with pytest.raises(ConfigError, match="rope_scaling must be a RopeScaling"):
+        tiny_config(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ConfigError, match="attention_scale"):
+        tiny_config(attention_scale=-1.0)
+    assert tiny_config(sliding_window=4, sliding_layers=[1]).sliding_layers == (1,)
+
+
+def test_entries_sharing_blocks_in_one_call(model):
+    """Two entries may write the same slots with the same tokens (a block the manager
+    deduplicated), and an entry may read blocks another entry fills in the same call (each
+    layer writes every entry's K/V before any entry attends)."""
+    pool = make_pool(model.config)
+    ids = tokens(11, seed=43)
+    table = grow(pool, [], 11)
+    twin = table[:2] + [pool.allocate()]  # shares the first two blocks
+    logits = model.forward_paged(pool, [(ids[:8], 0, table), (ids[:8], 0, twin)])
+    torch.testing.assert_close(logits[0], model.forward_dense(ids[:8])[-1], **TOL)
+    torch.testing.assert_close(logits[1], logits[0], **TOL)
+    pool.kv[:, :, table[:2]] = 0  # the reader can only be right with the fresh writes
+    reader = model.forward_paged(pool, [(ids[:8], 0, table), (ids[8:], 8, twin)])
+    torch.testing.assert_close(reader[1], model.forward_dense(ids)[-1], **TOL)
