@@ -240,7 +240,9 @@ def replay_table(requests: Iterable[Request],
             fresh policy is needed per replay, so instances are not accepted). Default: every
             registered policy, ``"belady"`` last.
         capacities: pool sizes in blocks.
-        block_size, time, extra_key: as for `replay`.
+        block_size: as for `replay`.
+        time: as for `replay`.
+        extra_key: as for `replay`.
     """
     reqs = _check_requests(requests)
     if policies is None:  # the online policies, then the oracle

@@ -1,0 +1,9 @@
+"""Adapters that plug kvevict into inference frameworks.
+
+Each adapter lives in its own subpackage and imports its framework only there, so the core
+stays free of optional dependencies:
+
+- `kvevict.adapters.hf`: a paged ``transformers.Cache`` (`PagedCache`), multi-turn prefix reuse
+  across ``generate()`` calls (`SessionStore`) and token-level eviction inside a sequence.
+  Install with ``pip install "kvevict[hf]"``.
+"""
