@@ -501,7 +501,17 @@ class KVCacheManager:
         if seq.num_tokens != seq._prompt_slots + seq._num_generated:
             raise ConfigError(f"sequence {seq_id!r} still has {seq.num_pending} prompt tokens "
                               "to prefill; call prefill() before appending")
-        return self._grow(seq, seq.num_tokens + n, new_tokens, "decode")
+        target = seq.num_tokens + n
+        bs = self.block_size
+        if (-(-target // bs) <= len(seq.block_table)
+                and (new_tokens is None or target // bs <= len(seq._hashes))):
+            # the decode loop's common case: no new block, none becomes full and cacheable
+            seq._num_generated += n
+            if new_tokens is not None:
+                seq._known.extend(new_tokens)  # type: ignore[union-attr]
+            seq.num_tokens = target
+            return []
+        return self._grow(seq, target, new_tokens, "decode")
 
     def _grow(self, seq: Sequence, target: int, new_tokens: list[int] | None,
               created_by: str) -> list[int]:
