@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     sim.add_argument("--duration", type=float, default=None,
                      help="generated trace length in seconds (generator default)")
+    sim.add_argument("--scale", type=float, default=1.0,
+                     help="multiply the workload's request rate, e.g. its number of people "
+                          "(default 1)")
     sim.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                      help="comma-separated policy names (default: %(default)s)")
     model = sim.add_mutually_exclusive_group()
@@ -371,10 +374,14 @@ def _requests(args: argparse.Namespace) -> tuple[list[Any], str]:
                    "alibaba": workloads.read_alibaba, "sharegpt": workloads.read_sharegpt}
         if not args.trace.exists():
             raise ConfigError(f"trace file {args.trace} does not exist")
+        if args.scale != 1 or args.duration is not None:
+            raise ConfigError("--scale and --duration shape a generated workload; they do not "
+                              "apply to --trace")
         return readers[args.format](args.trace), f"{args.trace.name} ({args.format})"
     name = args.workload or "chat-server"
     kwargs = {} if args.duration is None else {"duration": args.duration}
-    return workloads.generate(name, seed=args.seed, **kwargs), name
+    requests = workloads.generate(name, seed=args.seed, scale=args.scale, **kwargs)
+    return requests, name if args.scale == 1 else f"{name} (scale {args.scale:g})"
 
 
 class _Progress:

@@ -231,3 +231,25 @@ def test_mooncake_trace_slice_uses_512_token_blocks(capsys, tmp_path):
     assert results["workload"] == "mooncake_head.jsonl (mooncake)"
     assert [s["requests"] for s in results["results"]] == [200, 200]
     assert results["chosen"] == "lru"
+
+
+def test_scale_adds_people_to_a_generated_workload(capsys, tmp_path):
+    base = ["simulate", "--workload", "chat", "--duration", "300", "--policies", "lru",
+            "--cache-blocks", "512", "--no-sweep", "--quiet"]
+    counts = {}
+    for scale in ("1", "3"):
+        out = tmp_path / scale
+        assert main([*base, "--scale", scale, "--out", str(out)]) == 0
+        results = json.loads((out / "results.json").read_text())
+        counts[scale] = results["results"][0]["requests"]
+        assert counts[scale] == len(generate("chat", seed=0, duration=300, scale=float(scale)))
+    assert counts["3"] > 2 * counts["1"]
+    assert results["workload"] == "chat (scale 3)"
+    capsys.readouterr()
+
+
+def test_scale_does_not_apply_to_a_trace(capsys):
+    message = user_error(capsys, ["simulate", "--trace", str(bundled_trace_path("mooncake")),
+                                  "--format", "mooncake", "--scale", "2"])
+    assert "do not apply to --trace" in message
+    assert "positive" in user_error(capsys, ["simulate", "--scale", "0", "--no-sweep"])
