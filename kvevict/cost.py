@@ -90,9 +90,10 @@ class CostModel:
             overhead). 0 by default (a large GPU engine's batch is one kernel per layer);
             ``kvevict calibrate`` fits it.
         decode_pads_batch: a decode batch costs as if every sequence had the longest
-            context of the batch (an engine that pads the batch to one dense attention call,
-            like kvevict's built-in one) rather than the sum of the contexts (a paged
-            attention kernel). False by default; ``kvevict calibrate`` measures which.
+            context of the batch (an engine that pads the batch to one dense attention
+            call; kvevict's built-in one does so for short contexts) rather than the sum of
+            the contexts (a paged attention kernel). False by default; ``kvevict calibrate``
+            measures which.
     """
 
     linear_s_per_token: float = attrs.field(default=2.0 * 8.03e9 / (H100_BF16_FLOPS * 0.5),

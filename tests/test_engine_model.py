@@ -334,3 +334,40 @@ def test_entries_sharing_blocks_in_one_call(model):
     pool.kv[:, :, table[:2]] = 0  # the reader can only be right with the fresh writes
     reader = model.forward_paged(pool, [(ids[:8], 0, table), (ids[8:], 8, twin)])
     torch.testing.assert_close(reader[1], model.forward_dense(ids)[-1], **TOL)
+
+
+def test_decode_buckets_bound_padding_to_twice_the_real_work(monkeypatch):
+    from kvevict.engine import model as model_mod
+
+    buckets = model_mod._decode_buckets
+    assert buckets([]) == []
+    assert buckets([10, 100, 200, 256]) == [(0, 4)]  # all under the minimum: one call
+    assert buckets([10, 300, 500, 600, 601, 2000]) == [(0, 1), (1, 4), (4, 5), (5, 6)]
+    monkeypatch.setattr(model_mod, "DECODE_BUCKET_MIN_TOKENS", 1)
+    assert buckets([2, 3, 4, 5, 9, 10, 11]) == [(0, 3), (3, 6), (6, 7)]
+    for lengths in ([1, 2, 3, 4, 5, 6, 7, 8, 100], [3, 3, 3], [5, 11, 23, 47]):
+        cut = buckets(lengths)
+        assert cut[0][0] == 0 and cut[-1][1] == len(lengths)
+        assert all(a[1] == b[0] for a, b in zip(cut, cut[1:]))
+        assert all(lengths[hi - 1] <= 2 * lengths[lo] for lo, hi in cut)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_bucketed_batched_decode_matches_dense(monkeypatch, window):
+    """Decode entries given out of length order, split into several buckets, each row's logits
+    equal the dense recompute (and come back in the caller's order)."""
+    from kvevict.engine import model as model_mod
+
+    monkeypatch.setattr(model_mod, "DECODE_BUCKET_MIN_TOKENS", 1)
+    model = LlamaModel(tiny_config(sliding_window=window), seed=5)
+    pool = make_pool(model.config, num_blocks=64)
+    seqs = [tokens(n, seed=50 + n) for n in (13, 3, 30, 8, 2, 17)]
+    batch = []
+    for s in seqs:
+        table = grow(pool, [], len(s) - 1)
+        model.forward_paged(pool, [(s[:-1], 0, table)])
+        batch.append((s[-1:], len(s) - 1, grow(pool, table, len(s))))
+    assert len(model_mod._decode_buckets(sorted(len(s) for s in seqs))) > 2
+    logits = model.forward_paged(pool, batch)
+    for i, s in enumerate(seqs):
+        torch.testing.assert_close(logits[i], model.forward_dense(s)[-1], **TOL)

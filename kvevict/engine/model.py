@@ -639,7 +639,8 @@ class LlamaModel:
 
         All new tokens of all sequences go through the projections and the MLP as one batch.
         Attention runs once for all decode entries (``n = 1``: block tables gathered with one
-        ``index_select``, padded to the longest context, masked) and once per longer entry.
+        ``index_select``, padded to the longest context, masked; one call per bucket of similar
+        lengths, see ``_decode_buckets``) and once per longer entry.
         Writes go only to the slots of the new positions, so blocks before ``start //
         block_size`` are never modified; a caller that shares a partly filled block must
         copy it first (copy-on-write is the cache manager's business). Every entry's K/V are
@@ -657,7 +658,9 @@ class LlamaModel:
         self.check_pool(pool)
         prepared = self._check_entries(pool, seqs)
         bs, dev = pool.block_size, self.device
-        decode = [i for i, e in enumerate(prepared) if e[0].shape[0] == 1]
+        # decode entries sorted by context length, then cut into buckets (see _decode_buckets)
+        decode = sorted((i for i, e in enumerate(prepared) if e[0].shape[0] == 1),
+                        key=lambda i: prepared[i][1])
         longer = [i for i, e in enumerate(prepared) if e[0].shape[0] > 1]
         order = decode + longer
 
@@ -680,7 +683,9 @@ class LlamaModel:
         ids = torch.cat([prepared[i][0] for i in order])
         max_position = max(prepared[i][1] + prepared[i][0].shape[0] - 1 for i in order)
 
-        decode_plans = {w: _decode_plan(prepared, decode, bs, w, dev)
+        buckets = _decode_buckets([prepared[i][1] + 1 for i in decode])
+        decode_plans = {w: [_decode_plan(prepared, decode[lo:hi], bs, w, dev)
+                            for lo, hi in buckets]
                         for w in set(self._windows)} if decode else {}
         longer_plans = {w: [_chunk_plan(prepared[i], bs, w, dev) for i in longer]
                         for w in set(self._windows)} if longer else {}
@@ -696,8 +701,8 @@ class LlamaModel:
             window = self._windows[li]
             outs: list[torch.Tensor] = []
             if decode:
-                outs.append(self._decode_attention(kv, li, q[:len(decode)],
-                                                   decode_plans[window]))
+                for (lo, hi), plan in zip(buckets, decode_plans[window], strict=True):
+                    outs.append(self._decode_attention(kv, li, q[lo:hi], plan))
             offset = len(decode)
             for plan in longer_plans.get(window, []):
                 n = plan.num_new
@@ -789,6 +794,29 @@ class _ChunkPlan:
 def _first_key(position: int, window: int | None) -> int:
     """The first key position a query at ``position`` attends to."""
     return 0 if window is None else max(0, position - window + 1)
+
+
+#: Decode contexts shorter than this many tokens are never split into separate buckets.
+DECODE_BUCKET_MIN_TOKENS = 256
+
+
+def _decode_buckets(lengths: list[int]) -> list[tuple[int, int]]:
+    """Cut ascending decode context lengths into contiguous ``[lo, hi)`` buckets whose
+    longest context is at most twice their shortest (or at most `DECODE_BUCKET_MIN_TOKENS`).
+
+    One attention call per bucket: padding every sequence to the batch's longest context
+    would cost ``B x longest``; with buckets the padded work is at most twice the real work,
+    for a few more calls."""
+    buckets: list[tuple[int, int]] = []
+    lo = 0
+    for i, n in enumerate(lengths):
+        first = lengths[lo]
+        if i > lo and n > max(2 * first, DECODE_BUCKET_MIN_TOKENS):
+            buckets.append((lo, i))
+            lo = i
+    if lengths:
+        buckets.append((lo, len(lengths)))
+    return buckets
 
 
 def _decode_plan(prepared: list[tuple[torch.Tensor, int, list[int]]], decode: list[int],
