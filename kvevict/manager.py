@@ -293,7 +293,7 @@ class KVCacheManager:
             raise ConfigError(f"request {request.request_id!r} has an empty prompt")
         self._check_count("max_new_tokens", max_new_tokens)
         if request.block_hashes is not None:
-            hashes = list(request.block_hashes)
+            hashes = request.block_hashes  # a tuple of distinct ids (checked by Request)
             max_blocks = -(-request.prompt_len // self.block_size)
             if len(hashes) > max_blocks:
                 raise ConfigError(
@@ -301,9 +301,6 @@ class KVCacheManager:
                     f"{request.prompt_len} tokens; expected at most {max_blocks} blocks of "
                     f"{self.block_size}"
                 )
-            if len(set(hashes)) != len(hashes):
-                raise ConfigError(f"request {request.request_id!r}: block_hashes repeat an id; "
-                                  "expected a prefix-chained list of distinct block ids")
             # each listed id is one cacheable block: the prompt occupies whole blocks, and
             # appended tokens start a new block rather than grow a shared cached one
             slots = max(request.prompt_len, len(hashes) * self.block_size)
@@ -334,9 +331,9 @@ class KVCacheManager:
 
     def _known_hashes(self, seq: Sequence) -> list[Any]:
         """Hashes of every full known block of ``seq`` (its lookup key on begin/resume)."""
-        hashes = list(seq._prompt_hashes)
         if seq._known is None:
-            return hashes  # appended blocks of hash-only requests are never cached
+            return seq._prompt_hashes  # appended blocks of hash-only requests are never cached
+        hashes = list(seq._prompt_hashes)
         bs = self.block_size
         n_full = len(seq._known) // bs
         hashes.extend(seq._hashes[len(hashes):n_full])  # known from an earlier residency
@@ -404,7 +401,7 @@ class KVCacheManager:
         old_hashes = seq._hashes
         self._acquire_all(hit, now)  # hold the hit blocks so eviction cannot take them
         seq.block_table = [b._id for b in hit]
-        seq._hashes = hashes[:len(hit)]
+        seq._hashes = list(hashes[:len(hit)])
         seq.num_tokens = hit_tokens
         try:
             evictions = need - pool.num_free
@@ -422,21 +419,30 @@ class KVCacheManager:
             retention = seq.request.retention
             on_hit = self._on_hit
             tick = self._tick
-            for block in hit:
-                tick += 1
-                block._last_access = now
-                block._last_access_tick = tick
-                block._hit_count += 1
-                block._last_hit_session = session
-                sharers = block._sharers  # _note_sharer, inlined (hot)
-                if sharers.pop(session, None) is None and len(sharers) >= MAX_SHARERS:
-                    del sharers[next(iter(sharers))]
-                sharers[session] = now
-                if retention is not None:
-                    block._retention = retention
-                if on_hit is not None:
-                    self._tick = tick
-                    on_hit(block, now)
+            if retention is None and on_hit is None:  # the common case, without the checks
+                for block in hit:
+                    tick += 1
+                    block._last_access = now
+                    block._last_access_tick = tick
+                    block._hit_count += 1
+                    block._last_hit_session = session
+                    sharers = block._sharers  # _note_sharer, inlined (hot)
+                    if sharers.pop(session, None) is None and len(sharers) >= MAX_SHARERS:
+                        del sharers[next(iter(sharers))]
+                    sharers[session] = now
+            else:
+                for block in hit:
+                    tick += 1
+                    block._last_access = now
+                    block._last_access_tick = tick
+                    block._hit_count += 1
+                    block._last_hit_session = session
+                    _note_sharer(block, session, now)
+                    if retention is not None:
+                        block._retention = retention
+                    if on_hit is not None:
+                        self._tick = tick
+                        on_hit(block, now)
             self._tick = tick
             self._allocate_to(seq, target, now, "prefill")
             self.admission.on_admitted(seq.request, now)

@@ -137,7 +137,11 @@ class Request:
                     f"request {self.request_id!r}: block_hashes must be a sequence of "
                     f"hashable block ids, got {type(hashes).__name__}"
                 )
-            object.__setattr__(self, "block_hashes", tuple(hashes))
+            hashes = tuple(hashes)
+            if len(set(hashes)) != len(hashes):
+                raise ConfigError(f"request {self.request_id!r}: block_hashes repeat an id; "
+                                  "expected a prefix-chained list of distinct block ids")
+            object.__setattr__(self, "block_hashes", hashes)
             if self.num_tokens is None:
                 raise ConfigError(
                     f"request {self.request_id!r}: block_hashes= needs num_tokens= "
