@@ -37,6 +37,19 @@ def _csv(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
+def _policies(text: str) -> list[str]:
+    """The ``--policies`` list; unknown names (or none) name the valid ones."""
+    from kvevict.policies import available_policies
+
+    policies = _csv(text)
+    valid = available_policies()
+    unknown = [p for p in policies if p not in valid]
+    if unknown or not policies:
+        raise ConfigError(f"unknown policy {', '.join(unknown) or '(none given)'}; valid "
+                          f"names: {', '.join(valid)}")
+    return policies
+
+
 def _floats(text: str) -> list[float]:
     try:
         return [float(p) for p in _csv(text)]
@@ -287,15 +300,9 @@ def engine_bench_command(args: argparse.Namespace) -> int:
     from kvevict import workloads
     from kvevict.cost import CostModel
     from kvevict.engine.bench import format_report, run_bench, strip_answers
-    from kvevict.policies import available_policies
     from kvevict.scheduler import SchedulerConfig
 
-    policies = _csv(args.policies)
-    valid = available_policies()
-    unknown = [p for p in policies if p not in valid]
-    if unknown or not policies:
-        raise ConfigError(f"unknown policy {', '.join(unknown) or '(none given)'}; valid "
-                          f"names: {', '.join(valid)}")
+    policies = _policies(args.policies)
     if len(set(policies)) != len(policies):
         raise ConfigError(f"--policies lists a policy twice: {args.policies}")
     if args.requests < 1:
@@ -404,16 +411,10 @@ class _Progress:
 
 def simulate_command(args: argparse.Namespace) -> int:
     from kvevict import report
-    from kvevict.policies import available_policies
     from kvevict.scheduler import SchedulerConfig
     from kvevict.sim import simulate
 
-    policies = _csv(args.policies)
-    valid = available_policies()
-    unknown = [p for p in policies if p not in valid]
-    if unknown or not policies:
-        raise ConfigError(f"unknown policy {', '.join(unknown) or '(none given)'}; valid "
-                          f"names: {', '.join(valid)}")
+    policies = _policies(args.policies)
     if all(p == "belady" for p in policies):
         raise ConfigError("--policies needs at least one online policy to choose from "
                           "(belady is the offline bound)")
