@@ -37,9 +37,17 @@ from kvevict.errors import (
     PolicyError,
 )
 from kvevict.policies.base import Policy, make_policy
+from kvevict.policies.lru import LRU
 from kvevict.pool import BlockPool
 from kvevict.prefix import ROOT_HASH, PrefixTree, block_hashes
-from kvevict.types import MAX_SHARERS, BlockInfo, ManualClock, Request, as_token_array
+from kvevict.types import (
+    MAX_SHARERS,
+    SHARERS_SLACK,
+    BlockInfo,
+    ManualClock,
+    Request,
+    as_token_array,
+)
 
 __all__ = ["CacheStats", "InvariantError", "KVCacheManager", "LookupResult", "Sequence"]
 
@@ -160,11 +168,19 @@ def _note_sharer(block: BlockInfo, session: Any, now: float) -> None:
     """Record that ``session`` used ``block`` at ``now``, keeping the MAX_SHARERS most recent
     sessions only (a popular system prompt is used by thousands)."""
     sharers = block._sharers
-    # re-insert so the dict stays in order of last use (the clock never goes back): the
-    # first key is the least recent sharer, dropped in O(1)
-    if sharers.pop(session, None) is None and len(sharers) >= MAX_SHARERS:
-        del sharers[next(iter(sharers))]
+    # re-insert so the dict stays in order of last use (the clock never goes back); a full
+    # record is cut back to its MAX_SHARERS most recent sessions in one go
+    if sharers.pop(session, None) is None and len(sharers) >= SHARERS_SLACK:
+        sharers = _trim_sharers(block)
     sharers[session] = now
+
+
+def _trim_sharers(block: BlockInfo) -> dict[Any, float]:
+    """Keep the MAX_SHARERS most recent sharers of ``block`` (the only ones its `sharers`
+    shows: cutting back every SHARERS_SLACK - MAX_SHARERS new sessions rather than dropping
+    the oldest on each is the same record, at a fraction of the cost)."""
+    sharers = block._sharers = dict(list(block._sharers.items())[-MAX_SHARERS:])
+    return sharers
 
 
 class KVCacheManager:
@@ -211,6 +227,8 @@ class KVCacheManager:
         self._on_hit = None if policy_type.on_hit is Policy.on_hit else self.policy.on_hit
         self._on_insert = (None if policy_type.on_insert is Policy.on_insert
                            else self.policy.on_insert)
+        # the built-in LRU gets an inlined eviction loop (not a subclass: it may override)
+        self._builtin_lru = policy_type is LRU
 
     # -- time ------------------------------------------------------------------------------
 
@@ -427,8 +445,8 @@ class KVCacheManager:
                     block._hit_count += 1
                     block._last_hit_session = session
                     sharers = block._sharers  # _note_sharer, inlined (hot)
-                    if sharers.pop(session, None) is None and len(sharers) >= MAX_SHARERS:
-                        del sharers[next(iter(sharers))]
+                    if sharers.pop(session, None) is None and len(sharers) >= SHARERS_SLACK:
+                        sharers = _trim_sharers(block)
                     sharers[session] = now
             else:
                 for block in hit:
@@ -740,7 +758,10 @@ class KVCacheManager:
         withheld = self._withheld
         victim = self.policy.victim
         if not withheld and not self._eviction_listeners:
-            self._evict_fast(count, now)
+            if self._builtin_lru:
+                self._evict_lru(count, now)
+            else:
+                self._evict_fast(count, now)
             return
         evict_block = self._evict_block
         for _ in range(count):
@@ -812,6 +833,59 @@ class KVCacheManager:
                     else:  # _add_candidate, inlined
                         candidates[parent._id] = parent
                         on_candidate(parent, now)
+
+    def _evict_lru(self, count: int, now: float) -> None:
+        """`_evict_fast` for the built-in `LRU` (vLLM's order, the common configuration), with
+        its ``victim`` / ``on_evict`` / ``on_candidate`` inlined on its queue: the same victims
+        in the same order, and the same index state, as through the protocol calls."""
+        candidates = self.tree.candidates
+        policy = self.policy
+        queue = policy._queue
+        late = policy._late  # blocks offered late (older than the queue's tail): rare
+        pop_oldest = queue.popitem
+        cached = self.tree._blocks
+        records = self._records
+        pool = self.pool
+        used, free = pool._used, pool._free
+        by_class = self.stats.evictions_by_class
+        pins = self._pins
+        evicted = 0
+        try:
+            for _ in range(count):
+                if late:  # the heap may hold the oldest: let the policy choose
+                    victim_id = policy.victim(now)
+                    block = candidates.pop(victim_id)
+                    policy.on_evict(block, now)
+                else:  # the queue's head is the oldest candidate
+                    victim_id = pop_oldest(False)[0]
+                    block = candidates.pop(victim_id)
+                del cached[block._hash]
+                del records[victim_id]
+                used[victim_id] = False
+                free.append(victim_id)
+                evicted += 1
+                cls = block._workload_class
+                by_class[cls] = by_class.get(cls, 0) + 1
+                if block._depth:  # the parent may have become a leaf, hence a candidate
+                    parent = cached[block._parent]
+                    parent._num_children -= 1
+                    if not parent._num_children and not parent._ref_count:
+                        parent_id = parent._id
+                        if parent_id in pins:
+                            self._add_candidate(parent, now)
+                            continue
+                        candidates[parent_id] = parent
+                        # LRU.on_candidate, inlined: usually the parent was released with
+                        # the block just evicted, so it is older than the queue's head
+                        tick = parent._last_access_tick
+                        if queue and tick < queue[next(iter(queue))]:
+                            queue[parent_id] = tick
+                            queue.move_to_end(parent_id, last=False)
+                        else:
+                            policy.on_candidate(parent, now)
+        finally:
+            self._num_evictable -= evicted
+            self.stats.evictions += evicted
 
     def add_eviction_listener(self, callback: Callable[[BlockInfo, float], None]) -> None:
         """Call ``callback(block, now)`` just before each eviction (the block still cached).

@@ -30,6 +30,10 @@ WORKLOAD_CLASSES = ("chat", "agent", "rag", "single_shot", "batch")
 #: prompt's record, which thousands of sessions may hit.
 MAX_SHARERS = 64
 
+#: A block's sharer record may hold up to this many sessions before it is cut back to the
+#: MAX_SHARERS most recent (amortized O(1) per use; only the most recent MAX_SHARERS show).
+SHARERS_SLACK = 2 * MAX_SHARERS
+
 #: What a block's tokens are: see `Request.block_kinds`.
 BLOCK_KINDS = ("prompt", "context", "output")
 
@@ -275,10 +279,13 @@ class BlockInfo:
                                     "a strict total order of accesses.")
     hit_count = property(lambda self: self._hit_count,
                          doc="Prefix-cache hits on this block (decode appends are not hits).")
-    sharers = property(lambda self: dict(self._sharers),
+    # ``_sharers`` holds the most recent sessions in order of last use, up to SHARERS_SLACK
+    # of them (the manager cuts it back lazily); only the last MAX_SHARERS count
+    sharers = property(lambda self: dict(self._sharers) if len(self._sharers) <= MAX_SHARERS
+                       else dict(list(self._sharers.items())[-MAX_SHARERS:]),
                        doc="Distinct sessions that used the block -> last use time (a copy; "
                            "the MAX_SHARERS most recent).")
-    num_sharers = property(lambda self: len(self._sharers),
+    num_sharers = property(lambda self: min(len(self._sharers), MAX_SHARERS),
                            doc="Number of distinct sessions that used the block (at most "
                                "MAX_SHARERS are remembered).")
     ref_count = property(lambda self: self._ref_count, doc="Running sequences using it.")

@@ -31,8 +31,9 @@ class LRU(ScoredPolicy):
     by the tick alone. A block released by a finishing request becomes a candidate with the
     newest tick: it goes to the end of an ordered queue (vLLM's free-block queue). A block
     that becomes a candidate with an *older* tick (a parent left a leaf by an eviction, a
-    rolled-back hit, an unpinned block) goes to a small heap instead; the victim is the older
-    of the queue's head and the heap's top.
+    rolled-back hit, an unpinned block) goes to the queue's front when it is older than the
+    queue's head (the usual case: the parent of the evicted block, released with it), else to
+    a small heap; the victim is the older of the queue's head and the heap's top.
     """
 
     def __init__(self) -> None:
@@ -47,9 +48,18 @@ class LRU(ScoredPolicy):
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
         tick = block._last_access_tick
+        queue = self._queue
         if tick > self._newest:
-            self._queue[block._id] = tick
+            queue[block._id] = tick
             self._newest = tick
+        elif not queue:
+            queue[block._id] = tick
+            self._newest = tick  # the queue's last entry now
+        elif tick < queue[next(iter(queue))]:
+            # older than every queued block: its front (the parent of an evicted block,
+            # released with it, goes first this way, with no heap work)
+            queue[block._id] = tick
+            queue.move_to_end(block._id, last=False)
         else:
             self._late_ticks[block._id] = tick
             heapq.heappush(self._late, (tick, block._id))
