@@ -307,26 +307,28 @@ class KVCacheManager:
             raise ConfigError(f"begin() takes a Request, got {type(request).__name__}")
         if request.request_id in self._seqs:
             raise ConfigError(f"a sequence with id {request.request_id!r} is already live")
-        if request.prompt_len == 0:
+        prompt_len = request.prompt_len
+        if prompt_len == 0:
             raise ConfigError(f"request {request.request_id!r} has an empty prompt")
-        self._check_count("max_new_tokens", max_new_tokens)
+        if max_new_tokens is not None:
+            self._check_count("max_new_tokens", max_new_tokens)
         if request.block_hashes is not None:
             hashes = request.block_hashes  # a tuple of distinct ids (checked by Request)
-            max_blocks = -(-request.prompt_len // self.block_size)
+            max_blocks = -(-prompt_len // self.block_size)
             if len(hashes) > max_blocks:
                 raise ConfigError(
                     f"request {request.request_id!r}: {len(hashes)} block hashes for "
-                    f"{request.prompt_len} tokens; expected at most {max_blocks} blocks of "
+                    f"{prompt_len} tokens; expected at most {max_blocks} blocks of "
                     f"{self.block_size}"
                 )
             # each listed id is one cacheable block: the prompt occupies whole blocks, and
             # appended tokens start a new block rather than grow a shared cached one
-            slots = max(request.prompt_len, len(hashes) * self.block_size)
+            slots = max(prompt_len, len(hashes) * self.block_size)
         else:
             hashes = block_hashes(request.tokens, self.block_size, self.extra_key)
-            slots = request.prompt_len
+            slots = prompt_len
         seq = Sequence(request, hashes, slots)
-        self._start(seq, max_new_tokens, request.prompt_len)
+        self._start(seq, max_new_tokens, prompt_len)
         self._seqs[seq.seq_id] = seq
         return seq
 
@@ -402,7 +404,7 @@ class KVCacheManager:
                 if not block._ref_count:
                     hit_free += 1
                 hit.append(block)
-        known = seq.num_known
+        known = seq._prompt_slots + seq._num_generated  # seq.num_known
         hit_tokens = min(len(hit) * bs, known)
         target = known if max_new_tokens is None else min(known, hit_tokens + max_new_tokens)
         need = -(-target // bs) - len(hit)
@@ -422,7 +424,7 @@ class KVCacheManager:
         seq._hashes = list(hashes[:len(hit)])
         seq.num_tokens = hit_tokens
         try:
-            evictions = need - pool.num_free
+            evictions = need - len(pool._free)
             if evictions > 0:
                 decision = self.admission.admit(seq.request, evictions, self, now)
                 if not decision.admit:
@@ -506,11 +508,14 @@ class KVCacheManager:
         token ids) pass a count instead; its appended blocks are not cached. Decode appends
         are not hits. Raises `OutOfBlocks` (state unchanged) when the blocks cannot be freed.
         """
-        seq = self.sequence(seq_id)
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = self.sequence(seq_id)  # raises: no such sequence
         if seq.status != "running":
             raise ConfigError(f"sequence {seq_id!r} is {seq.status}; resume it before appending")
         if seq._known is None:
-            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            if (type(tokens) is not int  # not a plain int count (the common case)
+                    and (isinstance(tokens, bool) or not isinstance(tokens, int))) or tokens < 0:
                 raise ConfigError(
                     f"sequence {seq_id!r} was given as block hashes; append a token count "
                     f"(a non-negative int), got {type(tokens).__name__}"
@@ -541,17 +546,19 @@ class KVCacheManager:
               created_by: str) -> list[int]:
         bs = self.block_size
         need = -(-target // bs) - len(seq.block_table)
-        available = self.pool.num_free + self._num_evictable
+        free = self.pool._free
+        available = len(free) + self._num_evictable
         if need > available:
             raise OutOfBlocks(
                 f"sequence {seq.seq_id!r} needs {need} more blocks but only {available} can "
                 "be freed", needed=need, available=available,
             )
         now = self._now()
-        if need > 0:
-            self._evict(need - self.pool.num_free, now)
-        if target > seq.num_known:  # decode appends make new tokens known
-            seq._num_generated += target - seq.num_known
+        if need > 0:  # (even with enough free blocks: _evict expires due pins)
+            self._evict(need - len(free), now)
+        known = seq._prompt_slots + seq._num_generated  # seq.num_known
+        if target > known:  # decode appends make new tokens known
+            seq._num_generated += target - known
             if new_tokens is not None:
                 seq._known.extend(new_tokens)  # type: ignore[union-attr]
         before = len(seq.block_table)
@@ -590,7 +597,7 @@ class KVCacheManager:
                     h = block_hashes(seq._known[depth * bs:(depth + 1) * bs], bs,  # type: ignore
                                      self.extra_key, parent)[0]
                 self._cache_block(seq, depth, h, now, created_by)
-        used = pool.num_used
+        used = pool.num_blocks - len(pool._free)  # pool.num_used
         if used > self.stats.peak_blocks_used:
             self.stats.peak_blocks_used = used
 
@@ -673,7 +680,9 @@ class KVCacheManager:
 
     def finish(self, seq_id: Any) -> None:
         """End a sequence: release its blocks tail first; cached ones become candidates."""
-        seq = self.sequence(seq_id)
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = self.sequence(seq_id)  # raises: no such sequence
         if seq.status == "running":
             self._release_all(seq, self._now())
         del self._seqs[seq_id]
@@ -697,21 +706,23 @@ class KVCacheManager:
         pool = self.pool
         ref, used, free = pool._ref, pool._used, pool._free
         tick = self._tick
+        get = records.get
         for block_id in reversed(seq.block_table):
             ref[block_id] -= 1
-            block = records.get(block_id)
+            block = get(block_id)
             if block is None:  # a partial (or never cached) block: free it
                 used[block_id] = False
                 free.append(block_id)
                 continue
-            block._ref_count -= 1
+            count = block._ref_count - 1
+            block._ref_count = count
             if touch:
                 tick += 1
                 block._last_access = now
                 block._last_access_tick = tick
-            if block._ref_count == 0:
+            if not count:
                 self._num_evictable += 1
-                if block._num_children == 0:
+                if not block._num_children:
                     self._tick = tick
                     self._add_candidate(block, now)
         self._tick = tick

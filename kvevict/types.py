@@ -212,28 +212,30 @@ class BlockInfo:
     holds tokens ``[d * block_size, (d + 1) * block_size)``).
     """
 
+    # hot fields first, so that the few the manager reads and writes per block (eviction,
+    # hit, release) share one or two cache lines of the record (a memory-bound hot path)
     __slots__ = (
+        "_ref_count",
+        "_num_children",
+        "_id",
+        "_hash",
+        "_parent",
+        "_depth",
+        "_last_access_tick",
+        "_last_access",
+        "_workload_class",
+        "_sharers",
+        "_hit_count",
+        "_last_hit_session",
         "__weakref__",
         "_bytes",
         "_created",
         "_created_by",
-        "_depth",
-        "_hash",
-        "_hit_count",
-        "_id",
         "_kind",
-        "_last_access",
-        "_last_access_tick",
-        "_last_hit_session",
-        "_num_children",
-        "_parent",
-        "_ref_count",
         "_retention",
         "_session",
-        "_sharers",
         "_tier",
         "_tokens",
-        "_workload_class",
     )
 
     def __init__(self, block_id: int, block_hash: Any, parent: Any, depth: int,
