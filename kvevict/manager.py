@@ -368,7 +368,8 @@ class KVCacheManager:
         """Hit the cached prefix of ``seq``'s known tokens, then allocate up to
         ``max_new_tokens`` more; ``query_tokens`` count as prefix-cache queries."""
         bs = self.block_size
-        hashes = self._known_hashes(seq)
+        # (a hash-only request's appended blocks are never cached: its prompt's are the key)
+        hashes = seq._prompt_hashes if seq._known is None else self._known_hashes(seq)
         cached = self.tree._blocks
         hit: list[BlockInfo] = []
         hit_free = 0  # hit blocks no running sequence holds (they stop being evictable)
@@ -425,8 +426,10 @@ class KVCacheManager:
         seq.num_tokens = hit_tokens
         try:
             evictions = need - len(pool._free)
-            if evictions > 0:
-                decision = self.admission.admit(seq.request, evictions, self, now)
+            admission = self.admission
+            always = type(admission) is AlwaysAdmit  # admits, and on_admitted is a no-op
+            if evictions > 0 and not always:
+                decision = admission.admit(seq.request, evictions, self, now)
                 if not decision.admit:
                     raise AdmissionDeferred(
                         f"request {seq.seq_id!r} deferred: {decision.reason}",
@@ -465,7 +468,8 @@ class KVCacheManager:
                         on_hit(block, now)
             self._tick = tick
             self._allocate_to(seq, target, now, "prefill")
-            self.admission.on_admitted(seq.request, now)
+            if not always:
+                admission.on_admitted(seq.request, now)
         except BaseException:
             # undo: release what the sequence holds (cached blocks become candidates)
             self._release_all(seq, now, touch=False)
@@ -765,15 +769,15 @@ class KVCacheManager:
         """Evict ``count`` candidates (the caller checked that enough exist)."""
         if self._pin_heap:
             self._expire_pins(now)  # ``now`` is fixed: expiring once is enough
-        candidates = self.tree.candidates
         withheld = self._withheld
-        victim = self.policy.victim
         if not withheld and not self._eviction_listeners:
             if self._builtin_lru:
                 self._evict_lru(count, now)
             else:
                 self._evict_fast(count, now)
             return
+        candidates = self.tree.candidates
+        victim = self.policy.victim
         evict_block = self._evict_block
         for _ in range(count):
             victim_id = victim(now)
