@@ -442,30 +442,18 @@ class KVCacheManager:
             retention = seq.request.retention
             on_hit = self._on_hit
             tick = self._tick
-            if retention is None and on_hit is None:  # the common case, without the checks
-                for block in hit:
-                    tick += 1
-                    block._last_access = now
-                    block._last_access_tick = tick
-                    block._hit_count += 1
-                    block._last_hit_session = session
-                    sharers = block._sharers  # _note_sharer, inlined (hot)
-                    if sharers.pop(session, None) is None and len(sharers) >= SHARERS_SLACK:
-                        sharers = _trim_sharers(block)
-                    sharers[session] = now
-            else:
-                for block in hit:
-                    tick += 1
-                    block._last_access = now
-                    block._last_access_tick = tick
-                    block._hit_count += 1
-                    block._last_hit_session = session
-                    _note_sharer(block, session, now)
-                    if retention is not None:
-                        block._retention = retention
-                    if on_hit is not None:
-                        self._tick = tick
-                        on_hit(block, now)
+            for block in hit:
+                tick += 1
+                block._last_access = now
+                block._last_access_tick = tick
+                block._hit_count += 1
+                block._last_hit_session = session
+                _note_sharer(block, session, now)
+                if retention is not None:
+                    block._retention = retention
+                if on_hit is not None:
+                    self._tick = tick
+                    on_hit(block, now)
             self._tick = tick
             self._allocate_to(seq, target, now, "prefill")
             if not always:
@@ -864,6 +852,7 @@ class KVCacheManager:
         used, free = pool._used, pool._free
         by_class = self.stats.evictions_by_class
         pins = self._pins
+        on_candidate = policy.on_candidate
         evicted = 0
         try:
             for _ in range(count):
@@ -890,14 +879,7 @@ class KVCacheManager:
                             self._add_candidate(parent, now)
                             continue
                         candidates[parent_id] = parent
-                        # LRU.on_candidate, inlined: usually the parent was released with
-                        # the block just evicted, so it is older than the queue's head
-                        tick = parent._last_access_tick
-                        if queue and tick < queue[next(iter(queue))]:
-                            queue[parent_id] = tick
-                            queue.move_to_end(parent_id, last=False)
-                        else:
-                            policy.on_candidate(parent, now)
+                        on_candidate(parent, now)
         finally:
             self._num_evictable -= evicted
             self.stats.evictions += evicted
