@@ -78,12 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="built-in workload generator (default: chat-server)")
     src.add_argument("--trace", type=Path, help="a trace file instead of a generator")
     sim.add_argument("--format", choices=FORMATS, default="jsonl", help="trace file format")
-    sim.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    sim.add_argument("--duration", type=float, default=None,
-                     help="generated trace length in seconds (generator default)")
-    sim.add_argument("--scale", type=float, default=1.0,
-                     help="multiply the workload's request rate, e.g. its number of people "
-                          "(default 1)")
+    _generator_args(sim)
     sim.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                      help="comma-separated policy names (default: %(default)s)")
     model = sim.add_mutually_exclusive_group()
@@ -133,12 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run policies on the real engine next to the simulator's prediction")
     eb.add_argument("--workload", default="chat-server",
                     help="built-in workload generator (default %(default)s)")
-    eb.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    eb.add_argument("--duration", type=float, default=None,
-                    help="generated trace length in seconds (generator default)")
-    eb.add_argument("--scale", type=float, default=1.0,
-                    help="multiply the workload's request rate, e.g. its number of people "
-                         "(default 1)")
+    _generator_args(eb)
     eb.add_argument("--requests", type=int, default=120,
                     help="run the first N requests by arrival (default %(default)s)")
     eb.add_argument("--policies", default="lru,market",
@@ -170,6 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write results.json, answers.json (and calibration.json) here")
     eb.add_argument("--quiet", action="store_true", help="no progress output")
     return parser
+
+
+def _generator_args(parser: argparse.ArgumentParser) -> None:
+    """The options that shape a generated workload (simulate and engine-bench)."""
+    parser.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="generated trace length in seconds (generator default)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply the workload's request rate, e.g. its number of people "
+                             "(default 1)")
 
 
 DTYPES = ("float32", "bfloat16", "float16")
