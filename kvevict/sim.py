@@ -14,6 +14,7 @@ request index. The two agree exactly (a test checks it on the bundled Mooncake t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -38,8 +39,8 @@ from kvevict.scheduler import (
 )
 from kvevict.types import ManualClock, Request
 
-__all__ = ["CostModelExecutor", "RequestRecord", "SimResult", "infinite_cache_hits",
-           "simulate"]
+__all__ = ["CostModelExecutor", "RequestRecord", "SimResult", "collect", "drive",
+           "infinite_cache_hits", "simulate"]
 
 
 class CostModelExecutor(Executor):
@@ -240,24 +241,43 @@ def simulate(requests: SequenceABC[Request], policy: str | Policy = "lru", *,
         executor = _ZeroCostExecutor(cost or CostModel(), clock)
         cfg = SchedulerConfig(max_num_batched_tokens=2**62, max_num_seqs=1)
     scheduler = Scheduler(manager, executor, cfg)
-    i = 0
-    n = len(ordered)
+    drive(scheduler, ordered, clock)
+    return collect(scheduler, ordered, clock, name)
+
+
+def drive(scheduler: Scheduler, ordered: SequenceABC[Request], clock: ManualClock,
+          on_step: Callable[[Scheduler], None] | None = None) -> None:
+    """Hand each request (sorted by arrival) to ``scheduler`` once ``clock`` reaches its
+    arrival and step until every request is finished; when nothing runs, the executor idles
+    until the next arrival. ``on_step`` is called after every step that ran."""
+    executor = scheduler.executor
+    i, n = 0, len(ordered)
     while i < n or scheduler.has_work():
-        now = clock.now
-        while i < n and ordered[i].arrival <= now:
+        while i < n and ordered[i].arrival <= clock.now:
             scheduler.add(ordered[i])
             i += 1
         if not scheduler.has_work():
             executor.idle_until(ordered[i].arrival)
             continue
         scheduler.step(ordered[i].arrival if i < n else None)
+        if on_step is not None:
+            on_step(scheduler)
+
+
+def collect(scheduler: Scheduler, ordered: SequenceABC[Request], clock: ManualClock,
+            name: str) -> SimResult:
+    """The `SimResult` of a finished `drive`: per-request records, the manager's stats and
+    what an infinite cache would have hit."""
+    manager = scheduler.manager
+    block_size = manager.block_size
     inf_hits = infinite_cache_hits(ordered, block_size)
     records = tuple(RequestRecord.from_state(s)
                     for s in sorted(scheduler.finished, key=lambda s: s.arrival))
     return SimResult(
-        policy=name, capacity_blocks=capacity_blocks, block_size=block_size, records=records,
-        manager_stats=manager.stats.as_dict(), preemptions=scheduler.preemptions,
-        steps=scheduler.steps, makespan=clock.now - ordered[0].arrival,
+        policy=name, capacity_blocks=manager.pool.num_blocks, block_size=block_size,
+        records=records, manager_stats=manager.stats.as_dict(),
+        preemptions=scheduler.preemptions, steps=scheduler.steps,
+        makespan=clock.now - ordered[0].arrival,
         infinite_hit_tokens=sum(inf_hits),
         infinite_compute_tokens=sum(max(r.prompt_len - h, 1)  # >= 1: the last token's
                                     for r, h in zip(ordered, inf_hits, strict=True)),  # logits

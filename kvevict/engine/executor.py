@@ -73,7 +73,13 @@ from kvevict.scheduler import (
     StepOutput,
     StepPlan,
 )
-from kvevict.sim import CostModelExecutor, RequestRecord, SimResult, infinite_cache_hits
+from kvevict.sim import (
+    CostModelExecutor,
+    RequestRecord,
+    SimResult,
+    collect,
+    drive,
+)
 from kvevict.types import BlockInfo, ManualClock, Request
 
 __all__ = [
@@ -698,30 +704,14 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
         torch.cuda.reset_peak_memory_stats(pool.device)
     rss_reset = reset_peak_rss()
     executor.reset_timer()
-    i, n = 0, len(ordered)
-    while i < n or scheduler.has_work():
-        while i < n and ordered[i].arrival <= clock.now:
-            scheduler.add(ordered[i])
-            i += 1
-        if not scheduler.has_work():
-            executor.idle_until(ordered[i].arrival)
-            continue
-        scheduler.step(ordered[i].arrival if i < n else None)
+    def after_step(s: Scheduler) -> None:
         if check:
             manager.check()
         if on_step is not None:
-            on_step(scheduler)
-    inf_hits = infinite_cache_hits(ordered, block_size)
-    records = tuple(RequestRecord.from_state(s)
-                    for s in sorted(scheduler.finished, key=lambda s: s.arrival))
-    sim = SimResult(
-        policy=name, capacity_blocks=capacity_blocks, block_size=block_size, records=records,
-        manager_stats=manager.stats.as_dict(), preemptions=scheduler.preemptions,
-        steps=scheduler.steps, makespan=clock.now - ordered[0].arrival,
-        infinite_hit_tokens=sum(inf_hits),
-        infinite_compute_tokens=sum(max(r.prompt_len - h, 1)
-                                    for r, h in zip(ordered, inf_hits, strict=True)),
-    )
+            on_step(s)
+
+    drive(scheduler, ordered, clock, after_step if check or on_step is not None else None)
+    sim = collect(scheduler, ordered, clock, name)
     memory: dict[str, Any] = {"peak_pool_blocks": manager.stats.peak_blocks_used,
                               "pool_blocks": capacity_blocks,
                               "peak_pool_bytes": manager.stats.peak_blocks_used
@@ -746,7 +736,7 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
         "skipped_tokens": executor.skipped_tokens, "peeks": executor.peeks,
         "stale_items": executor.stale_items,
         "output_tokens_per_busy_s": round(
-            sum(r.output_tokens for r in records) / executor.busy_seconds, 3)
+            sum(r.output_tokens for r in sim.records) / executor.busy_seconds, 3)
         if executor.busy_seconds > 0 else 0.0,
     }
     return EngineResult(
