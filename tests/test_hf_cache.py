@@ -12,14 +12,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_models import SIZES, VOCAB, build  # noqa: E402
 from transformers import (  # noqa: E402
     DynamicCache,
-    LlamaConfig,
-    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 from kvevict.adapters.hf import PagedCache, inspect_model  # noqa: E402
@@ -27,26 +24,6 @@ from kvevict.errors import ConfigError, OutOfBlocks  # noqa: E402
 from kvevict.pool import BlockPool  # noqa: E402
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-VOCAB = 128
-SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-
-
-def build(kind: str = "llama", **overrides):
-    """A seeded tiny model: ``llama``, ``qwen2`` (layer 0 full attention, layer 1 a sliding
-    window of 6: a special layer kept by transformers) or ``mistral`` (no sliding window)."""
-    torch.manual_seed(0)
-    sizes = {**SIZES, **overrides}
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**sizes))
-    elif kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**sizes, use_sliding_window=True, sliding_window=6,
-                                             max_window_layers=1))
-    else:
-        model = MistralForCausalLM(MistralConfig(**sizes, sliding_window=None))
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
-    return model.eval()
 
 
 def prompts(batch: int = 1, length: int = 11, pad: int = 0, seed: int = 1):

@@ -12,12 +12,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_models import VOCAB, build  # noqa: E402
 from transformers import (  # noqa: E402
     DynamicCache,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 from kvevict.adapters.hf import PagedCache, SessionStore  # noqa: E402
@@ -26,18 +23,11 @@ from kvevict.policies.base import ScoredPolicy  # noqa: E402
 from kvevict.types import ManualClock  # noqa: E402
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-VOCAB = 128
-SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
 @pytest.fixture
 def model():
-    torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(**SIZES)).eval()
-    llama.generation_config.pad_token_id = 0
-    llama.generation_config.eos_token_id = None
-    return llama
+    return build()
 
 
 @pytest.fixture
@@ -240,8 +230,6 @@ def test_bad_input_to_a_session_store(model):
 
 
 def test_models_with_special_layers_are_rejected():
-    torch.manual_seed(0)
-    qwen = Qwen2ForCausalLM(Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=6,
-                                        max_window_layers=1))
+    qwen = build("qwen2")  # layer 1: a sliding window
     with pytest.raises(ConfigError, match=r"every layer to be full attention.*sliding"):
         SessionStore(qwen, num_blocks=8)

@@ -13,14 +13,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_models import VOCAB, WINDOW, build  # noqa: E402
 from transformers import (  # noqa: E402
     DynamicCache,
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 from kvevict.adapters.hf import PagedCache  # noqa: E402
@@ -28,23 +25,6 @@ from kvevict.errors import ConfigError  # noqa: E402
 from kvevict.tokens import H2O, SnapKV, StreamingLLM, TokenPolicy  # noqa: E402
 
 TOL = {"atol": 2e-5, "rtol": 2e-5}
-VOCAB = 128
-SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-WINDOW = 6  # Qwen2's sliding layer
-
-
-def build(kind: str = "llama", attn: str = "sdpa"):
-    torch.manual_seed(0)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**SIZES, attn_implementation=attn))
-    else:  # layer 0 full attention (paged, evicting), layer 1 a sliding window (kept)
-        model = Qwen2ForCausalLM(Qwen2Config(**SIZES, use_sliding_window=True,
-                                             sliding_window=WINDOW, max_window_layers=1,
-                                             attn_implementation=attn))
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
-    return model.eval()
 
 
 def prompt(batch: int, length: int, pads: tuple[int, ...] = (), seed: int = 1):
@@ -200,7 +180,7 @@ class Recorder(TokenPolicy):
 
 
 def test_policies_get_the_models_own_attention_probabilities():
-    model = build(attn="eager")
+    model = build(attn_implementation="eager")
     ids, mask = prompt(2, 9, pads=(0, 2))
     recorder = Recorder(budget=64)
     cache = PagedCache(model, token_policy=recorder)
