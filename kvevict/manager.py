@@ -41,12 +41,11 @@ from kvevict.policies.lru import LRU
 from kvevict.pool import BlockPool
 from kvevict.prefix import ROOT_HASH, PrefixTree, block_hashes
 from kvevict.types import (
-    MAX_SHARERS,
-    SHARERS_SLACK,
     BlockInfo,
     ManualClock,
     Request,
     as_token_array,
+    note_sharer,
 )
 
 __all__ = ["CacheStats", "InvariantError", "KVCacheManager", "LookupResult", "Sequence"]
@@ -162,25 +161,6 @@ class Sequence:
         return (f"Sequence(id={self.seq_id!r}, status={self.status}, tokens={self.num_tokens}, "
                 f"pending={self.num_pending}, blocks={len(self.block_table)}, "
                 f"cached={self.num_cached_tokens})")
-
-
-def _note_sharer(block: BlockInfo, session: Any, now: float) -> None:
-    """Record that ``session`` used ``block`` at ``now``, keeping the MAX_SHARERS most recent
-    sessions only (a popular system prompt is used by thousands)."""
-    sharers = block._sharers
-    # re-insert so the dict stays in order of last use (the clock never goes back); a full
-    # record is cut back to its MAX_SHARERS most recent sessions in one go
-    if sharers.pop(session, None) is None and len(sharers) >= SHARERS_SLACK:
-        sharers = _trim_sharers(block)
-    sharers[session] = now
-
-
-def _trim_sharers(block: BlockInfo) -> dict[Any, float]:
-    """Keep the MAX_SHARERS most recent sharers of ``block`` (the only ones its `sharers`
-    shows: cutting back every SHARERS_SLACK - MAX_SHARERS new sessions rather than dropping
-    the oldest on each is the same record, at a fraction of the cost)."""
-    sharers = block._sharers = dict(list(block._sharers.items())[-MAX_SHARERS:])
-    return sharers
 
 
 class KVCacheManager:
@@ -448,7 +428,9 @@ class KVCacheManager:
                 block._last_access_tick = tick
                 block._hit_count += 1
                 block._last_hit_session = session
-                _note_sharer(block, session, now)
+                if block._sharer != session:  # note_sharer, inlined for the common case
+                    note_sharer(block, session, now)
+                block._shared = now
                 if retention is not None:
                     block._retention = retention
                 if on_hit is not None:
@@ -636,7 +618,7 @@ class KVCacheManager:
         existing = cached.get(block_hash)
         if existing is not None:  # computed twice concurrently: keep the cached copy
             self._acquire_all((existing,), now)
-            _note_sharer(existing, seq.request.session_id, now)
+            note_sharer(existing, seq.request.session_id, now)
             seq.block_table[depth] = existing._id
             self.pool.decref(block_id)
             self.pool.free(block_id)

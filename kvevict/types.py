@@ -224,6 +224,8 @@ class BlockInfo:
         "_last_access_tick",
         "_last_access",
         "_workload_class",
+        "_sharer",
+        "_shared",
         "_sharers",
         "_hit_count",
         "_last_hit_session",
@@ -255,7 +257,9 @@ class BlockInfo:
         self._last_access = now
         self._last_access_tick = tick
         self._hit_count = 0
-        self._sharers = {session: now}
+        self._sharer = session  # the most recent sharer and its last use...
+        self._shared = now
+        self._sharers: dict[Any, float] | None = None  # ...and the earlier ones (or None)
         self._ref_count = 0
         self._retention = retention
         self._num_children = 0
@@ -281,15 +285,30 @@ class BlockInfo:
                                     "a strict total order of accesses.")
     hit_count = property(lambda self: self._hit_count,
                          doc="Prefix-cache hits on this block (decode appends are not hits).")
-    # ``_sharers`` holds the most recent sessions in order of last use, up to SHARERS_SLACK
-    # of them (the manager cuts it back lazily); only the last MAX_SHARERS count
-    sharers = property(lambda self: dict(self._sharers) if len(self._sharers) <= MAX_SHARERS
-                       else dict(list(self._sharers.items())[-MAX_SHARERS:]),
-                       doc="Distinct sessions that used the block -> last use time (a copy; "
-                           "the MAX_SHARERS most recent).")
-    num_sharers = property(lambda self: min(len(self._sharers), MAX_SHARERS),
-                           doc="Number of distinct sessions that used the block (at most "
-                               "MAX_SHARERS are remembered).")
+    # The sessions that used the block, in order of last use, are ``_sharers`` (the earlier
+    # ones, None until a second session uses the block) followed by ``_sharer`` (the most recent,
+    # last used at ``_shared``): a hit by the same session as the last one is then a single
+    # store (`note_sharer`). ``_sharers`` holds up to SHARERS_SLACK sessions before it is cut
+    # back to the MAX_SHARERS most recent; only the most recent MAX_SHARERS show.
+
+    @property
+    def sharers(self) -> dict[Any, float]:
+        """Distinct sessions that used the block -> last use time (a copy, oldest first; the
+        MAX_SHARERS most recent)."""
+        earlier = self._sharers
+        if earlier is None:
+            return {self._sharer: self._shared}
+        items = list(earlier.items())[1 - MAX_SHARERS:] if MAX_SHARERS > 1 else []
+        items.append((self._sharer, self._shared))
+        return dict(items)
+
+    @property
+    def num_sharers(self) -> int:
+        """Number of distinct sessions that used the block (at most MAX_SHARERS are
+        remembered)."""
+        earlier = self._sharers
+        return 1 if earlier is None else min(len(earlier) + 1, MAX_SHARERS)
+
     ref_count = property(lambda self: self._ref_count, doc="Running sequences using it.")
     retention = property(lambda self: self._retention,
                          doc="Retention hint of the request that last used it, if any.")
@@ -308,6 +327,21 @@ class BlockInfo:
             f"session={self._session!r}, ref={self._ref_count}, hits={self._hit_count}, "
             f"last_access={self._last_access})"
         )
+
+
+def note_sharer(block: BlockInfo, session: Any, now: float) -> None:
+    """Record that ``session`` used ``block`` at ``now`` (the manager's hit path)."""
+    if block._sharer != session:
+        earlier = block._sharers
+        if earlier is None:
+            block._sharers = {block._sharer: block._shared}
+        else:
+            earlier.pop(session, None)  # it becomes the most recent
+            earlier[block._sharer] = block._shared
+            if len(earlier) >= SHARERS_SLACK:  # keep the most recent only, amortized O(1)
+                block._sharers = dict(list(earlier.items())[-MAX_SHARERS:])
+        block._sharer = session
+    block._shared = now
 
 
 class ManualClock:
