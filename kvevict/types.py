@@ -21,6 +21,7 @@ __all__ = [
     "Request",
     "RetentionHint",
     "as_token_array",
+    "note_sharer",
 ]
 
 #: The built-in workload classes. Any other non-empty string is accepted too (extensible).
