@@ -172,7 +172,7 @@ def floor_lru(stream: Stream, capacity: int) -> Run:
     floor = LRUFloor(capacity, stream.block_size)
     begin, finish = floor.begin, floor.finish
     for request in stream.requests:
-        floor.now = request.arrival
+        floor.clock.now = request.arrival
         begin(request)
         finish(request.request_id)
     return Run(floor.block_queries, floor.block_hits, floor.evictions)

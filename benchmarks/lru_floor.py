@@ -11,7 +11,8 @@ Kept, per block, exactly as `KVCacheManager` with the built-in `LRU` does it:
   ref counts and in the block record, the access stamp (clock time and event tick), the hit
   count, the hitting session and the sharer record (`kvevict.types.note_sharer`);
 - a `BlockInfo` record created for every cached block, and a candidate set of the cached,
-  unused leaves beside the LRU queue (tail of the oldest released chain first);
+  unused leaves beside the built-in `LRU` policy's own queue and late heap, driven as the
+  manager's inlined LRU loop drives them (tail of the oldest released chain first);
 - eviction of leaves only: a parent left without cached children becomes a candidate, at the
   queue's front when it is older than the queue's head;
 - release stamps every cached block; evictions are counted by workload class.
@@ -24,11 +25,10 @@ blocks as kvevict-LRU (checked by ``test_same_hits``).
 
 from __future__ import annotations
 
-import heapq
-from collections import OrderedDict
 from typing import Any
 
-from kvevict.types import BlockInfo, note_sharer
+from kvevict.policies.lru import LRU
+from kvevict.types import BlockInfo, ManualClock, note_sharer
 
 __all__ = ["LRUFloor"]
 
@@ -52,14 +52,11 @@ class LRUFloor:
         self.records: list[BlockInfo | None] = [None] * num_blocks  # cached blocks
         self.cached: dict[Any, BlockInfo] = {}  # block hash -> record
         self.candidates: dict[int, BlockInfo] = {}  # cached, ref 0, leaf
-        self.queue: OrderedDict[int, int] = OrderedDict()  # candidate id -> tick, oldest first
-        self.late: list[tuple[int, int]] = []  # heap of (tick, id): candidates offered late
-        self.late_ticks: dict[int, int] = {}  # its live entries
-        self.newest = -1
+        self.lru = LRU()  # the candidates' order
         self.tick = 0
         self.num_evictable = 0
         self.seqs: dict[Any, _Seq] = {}
-        self.now = 0.0
+        self.clock = ManualClock()  # set ``clock.now``, as for the manager
         self.evictions = 0
         self.evictions_by_class: dict[str, int] = {}
         self.block_queries = self.block_hits = 0
@@ -72,38 +69,6 @@ class LRUFloor:
     @property
     def hit_ratio(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries
-
-    def _offer(self, block: BlockInfo) -> None:
-        """`LRU.on_candidate`: the queue's end, its front, or the heap of late candidates."""
-        tick = block._last_access_tick
-        queue = self.queue
-        if tick > self.newest or not queue:
-            queue[block._id] = tick
-            self.newest = tick
-        elif tick < queue[next(iter(queue))]:
-            queue[block._id] = tick
-            queue.move_to_end(block._id, last=False)
-        else:
-            self.late_ticks[block._id] = tick
-            heapq.heappush(self.late, (tick, block._id))
-
-    def _withdraw(self, block_id: int) -> None:
-        """`LRU.on_uncandidate` / `on_evict`."""
-        if self.queue.pop(block_id, None) is None:
-            self.late_ticks.pop(block_id, None)
-
-    def _victim(self) -> int:
-        """`LRU.victim`: the older of the queue's head and the live top of the late heap."""
-        late, live = self.late, self.late_ticks
-        while late and live.get(late[0][1]) != late[0][0]:
-            heapq.heappop(late)
-        queue = self.queue
-        if queue:
-            first = next(iter(queue))
-            if late and late[0][0] < queue[first]:
-                return late[0][1]
-            return first
-        return late[0][1]
 
     def begin(self, request: Any) -> None:
         hashes = request.block_hashes
@@ -132,7 +97,7 @@ class LRUFloor:
         free = self.free
         if need > len(free) + self.num_evictable - hit_free:
             raise MemoryError(f"request {request.request_id!r} needs {need} blocks")
-        now = self.now
+        now = self.clock.now
         session = request.session_id
         ref = self.ref
         candidates = self.candidates
@@ -142,7 +107,7 @@ class LRUFloor:
                 self.num_evictable -= 1
                 if block._id in candidates:
                     del candidates[block._id]
-                    self._withdraw(block._id)
+                    self.lru.on_uncandidate(block, now)
             block._ref_count += 1
             ref[block._id] += 1
         if need > len(free):
@@ -186,18 +151,22 @@ class LRUFloor:
         self.prefix_cache_hits += min(num_hit * bs, prompt)
 
     def _evict(self, count: int) -> None:
-        candidates, queue, cached, records = self.candidates, self.queue, self.cached, self.records
+        """The manager's `_evict_lru`: the queue's head, or the policy's choice while its heap
+        of late candidates is not empty."""
+        now = self.clock.now
+        candidates, cached, records = self.candidates, self.cached, self.records
         used, free = self.used, self.free
         by_class = self.evictions_by_class
-        pop_oldest = queue.popitem
-        late = self.late
+        lru = self.lru
+        late, pop_oldest, on_candidate = lru._late, lru._queue.popitem, lru.on_candidate
         for _ in range(count):
-            if late:  # the heap may hold the oldest
-                victim_id = self._victim()
-                self._withdraw(victim_id)
+            if late:  # the heap may hold the oldest: let the policy choose
+                victim_id = lru.victim(now)
+                block = candidates.pop(victim_id)
+                lru.on_evict(block, now)
             else:
                 victim_id = pop_oldest(False)[0]
-            block = candidates.pop(victim_id)
+                block = candidates.pop(victim_id)
             del cached[block._hash]
             records[victim_id] = None
             used[victim_id] = False
@@ -209,7 +178,7 @@ class LRUFloor:
                 parent._num_children -= 1
                 if not parent._num_children and not parent._ref_count:
                     candidates[parent._id] = parent
-                    self._offer(parent)
+                    on_candidate(parent, now)
         self.evictions += count
         self.num_evictable -= count
 
@@ -233,7 +202,7 @@ class LRUFloor:
 
     def finish(self, request_id: Any) -> None:
         seq = self.seqs.pop(request_id)
-        now = self.now
+        now = self.clock.now
         records, ref, used, free = self.records, self.ref, self.used, self.free
         candidates = self.candidates
         tick = self.tick
@@ -254,5 +223,5 @@ class LRUFloor:
                 if not block._num_children:
                     candidates[block_id] = block
                     self.tick = tick
-                    self._offer(block)
+                    self.lru.on_candidate(block, now)
         self.tick = tick

@@ -299,7 +299,7 @@ class BlockInfo:
         earlier = self._sharers
         if earlier is None:
             return {self._sharer: self._shared}
-        items = list(earlier.items())[1 - MAX_SHARERS:] if MAX_SHARERS > 1 else []
+        items = list(earlier.items())[1 - MAX_SHARERS:]  # with the latest: MAX_SHARERS
         items.append((self._sharer, self._shared))
         return dict(items)
 
