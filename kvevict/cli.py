@@ -97,13 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: 0.5,2,4; sizes that cannot hold the largest request "
                           "are skipped)")
     sim.add_argument("--no-sweep", action="store_true", help="skip the capacity sweep")
-    sim.add_argument("--max-batched-tokens", type=int, default=2048,
-                     help="scheduler token budget per step (default %(default)s)")
-    sim.add_argument("--max-seqs", type=int, default=64,
-                     help="most running requests (default %(default)s)")
-    sim.add_argument("--preemption", default="last-arrived",
-                     choices=("last-arrived", "fewest-processed"),
-                     help="which running request to preempt (default %(default)s)")
+    _scheduler_args(sim, max_batched_tokens=2048)
     sim.add_argument("--out", type=Path, help="write results.json, plots and DECISION.md here")
     sim.add_argument("--quiet", action="store_true", help="no progress output")
 
@@ -142,13 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--load", type=float, default=0.5,
                     help="offered load the automatic time scale aims at, as a fraction of "
                          "the engine's estimated compute (default %(default)s)")
-    eb.add_argument("--max-batched-tokens", type=int, default=512,
-                    help="scheduler token budget per step (default %(default)s)")
-    eb.add_argument("--max-seqs", type=int, default=64,
-                    help="most running requests (default %(default)s)")
-    eb.add_argument("--preemption", default="last-arrived",
-                    choices=("last-arrived", "fewest-processed"),
-                    help="which running request to preempt (default %(default)s)")
+    _scheduler_args(eb, max_batched_tokens=512)
     eb.add_argument("--cost-model", type=Path, default=None,
                     help="a kvevict calibrate JSON (default: calibrate now)")
     eb.add_argument("--cold-requests", type=int, default=5,
@@ -173,6 +161,17 @@ def _generator_args(parser: argparse.ArgumentParser) -> None:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _scheduler_args(parser: argparse.ArgumentParser, max_batched_tokens: int) -> None:
+    """The scheduler's options, shared by simulate and engine-bench."""
+    parser.add_argument("--max-batched-tokens", type=int, default=max_batched_tokens,
+                        help="scheduler token budget per step (default %(default)s)")
+    parser.add_argument("--max-seqs", type=int, default=64,
+                        help="most running requests (default %(default)s)")
+    parser.add_argument("--preemption", default="last-arrived",
+                        choices=("last-arrived", "fewest-processed"),
+                        help="which running request to preempt (default %(default)s)")
 
 
 def _ints(text: str) -> list[int]:
