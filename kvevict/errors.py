@@ -37,7 +37,16 @@ class OutOfBlocks(KVEvictError):
 
 
 class PolicyError(KVEvictError):
-    """A policy broke the contract, e.g. `victim()` named a block that is not a candidate."""
+    """A policy broke the contract: `victim()` named a block that is not a candidate, or an
+    event raised. ``policy``, ``event`` and ``block_id`` say which (None when unknown); the
+    policy's own exception, if any, is the ``__cause__``."""
+
+    def __init__(self, message: str, *, policy: object = None, event: str | None = None,
+                 block_id: object = None) -> None:
+        super().__init__(message)
+        self.policy = policy
+        self.event = event
+        self.block_id = block_id
 
 
 class TraceFormatError(KVEvictError, ValueError):

@@ -1,7 +1,8 @@
 """`KVCacheManager`: the only place that mutates cache state.
 
 It composes a `BlockPool` (physical blocks and ref counts), a `PrefixTree` (cached blocks by
-chained hash) and a `Policy` (which candidate to evict), and keeps them consistent:
+chained hash, child counts, the candidate set), `Pins` (explicit retention) and a `Policy`
+(which candidate to evict), and keeps them consistent:
 
 - ``begin(request)``: look up the longest cached prefix, take a reference on every hit block,
   allocate the rest (evicting through the policy when the pool is full), cache the prompt's
@@ -13,46 +14,43 @@ chained hash) and a `Policy` (which candidate to evict), and keeps them consiste
 - ``pin(prefix, until)`` / ``unpin(prefix)``: explicit retention, honoured for every policy:
   a pinned candidate is evicted only when no other candidate exists.
 - ``lookup(tokens)``: the cached prefix length, no side effects.
-- ``stats`` and ``check()`` (every invariant; it holds after any exception).
+- ``stats`` and ``check()`` (every invariant, see `kvevict.invariants`; it holds after any
+  exception).
+
+Every request is normalized at the boundary into a chain of block hashes plus a count of
+token slots: a token request is hashed (`kvevict.prefix.block_hashes`) and its chain grows as
+decode appends fill blocks; a trace request brings its chain. Past that point there is one
+hit loop, one caching path and one eviction loop, and the policy is reached only through the
+`Policy` protocol.
+
+A policy event that raises becomes a `PolicyError` naming the policy, the event and the block,
+and leaves the cache consistent: ``begin`` and ``resume`` are rolled back; the other
+operations complete, a block whose ``on_candidate`` raised is kept by the manager (and
+evicted first), a block whose ``on_insert`` raised stays uncached. See ``docs/policies.md``.
 
 Time comes from the injected ``clock`` (a callable returning seconds).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 import attrs
 import numpy as np
 
 from kvevict.admission import Admission, AlwaysAdmit
-from kvevict.errors import (
-    AdmissionDeferred,
-    ConfigError,
-    KVEvictError,
-    OutOfBlocks,
-    PolicyError,
-)
+from kvevict.errors import AdmissionDeferred, ConfigError, OutOfBlocks, PolicyError
+from kvevict.invariants import InvariantError, check_manager
+from kvevict.pins import Pins
 from kvevict.policies.base import Policy, make_policy
-from kvevict.policies.lru import LRU
 from kvevict.pool import BlockPool
-from kvevict.prefix import ROOT_HASH, PrefixTree, block_hashes
-from kvevict.types import (
-    BlockInfo,
-    ManualClock,
-    Request,
-    as_token_array,
-    note_sharer,
-)
+from kvevict.prefix import ROOT_HASH, PrefixTree, block_hashes, hash_block
+from kvevict.types import BlockInfo, ManualClock, Request, as_token_array
 
 __all__ = ["CacheStats", "InvariantError", "KVCacheManager", "LookupResult", "Sequence"]
-
-
-class InvariantError(KVEvictError, AssertionError):
-    """`KVCacheManager.check()` found the cache state inconsistent (a bug, never user error)."""
 
 
 @attrs.define
@@ -100,36 +98,43 @@ class LookupResult:
 
 
 class Sequence:
-    """A running (or preempted) sequence: its request, known tokens and block table.
+    """A running (or preempted) sequence: its request, hash chain and block table.
 
     ``block_table[i]`` is the pool block holding tokens ``[i * block_size, (i+1) *
-    block_size)``. ``num_tokens`` token slots are allocated (computed or being computed);
-    ``num_pending`` more are known but not yet allocated (the rest of a chunked prefill, or
-    a preempted sequence's tokens to recompute). Read it; only the manager changes it.
+    block_size)``; its first ``len(cached_blocks)`` entries are cached blocks (their records
+    are ``cached_blocks``), the rest are private to this sequence. ``hashes`` is the
+    sequence's chain: the hash of every full known block (a token request's chain grows as
+    appends fill blocks; a trace request's is its listed ids). ``num_tokens`` token slots are
+    allocated (computed or being computed); ``num_pending`` more are known but not yet
+    allocated (the rest of a chunked prefill, or a preempted sequence's tokens to recompute).
+    Read it; only the manager changes it.
     """
 
-    __slots__ = ("seq_id", "request", "block_table", "num_tokens", "num_cached_tokens",
-                 "num_hit_slots", "status", "_hashes", "_known", "_prompt_hashes",
-                 "_prompt_slots", "_num_generated")
+    __slots__ = ("seq_id", "request", "block_table", "cached_blocks", "hashes", "token_ids",
+                 "num_tokens", "num_cached_tokens", "num_hit_slots", "prompt_slots",
+                 "num_generated", "status")
 
-    def __init__(self, request: Request, prompt_hashes: list[Any], prompt_slots: int) -> None:
+    def __init__(self, request: Request, hashes: Any, prompt_slots: int) -> None:
         self.seq_id = request.request_id
         self.request = request
         self.block_table: list[int] = []
+        #: records of the cached blocks at the head of the block table
+        self.cached_blocks: list[BlockInfo] = []
+        #: the chain: hash of each full known block (token mode) or each listed block
+        self.hashes = hashes
+        #: token mode: every known token id (prompt, then generated); None for hash mode
+        self.token_ids: list[int] | None = (
+            None if request.tokens is None else request.tokens.tolist()
+        )
         self.num_tokens = 0
         #: tokens found cached at the last begin / resume (real tokens, at most the known)
         self.num_cached_tokens = 0
         #: token slots the hit covered (a hash-only prompt's partial last block counts whole)
         self.num_hit_slots = 0
+        #: token slots of the prompt (a hash-only prompt is padded to whole listed blocks)
+        self.prompt_slots = prompt_slots
+        self.num_generated = 0
         self.status = "running"
-        self._hashes: list[Any] = []  # hash of each cached full block, in order
-        # token mode: every known token id (prompt, then generated); None for hash mode
-        self._known: list[int] | None = (
-            None if request.tokens is None else request.tokens.tolist()
-        )
-        self._prompt_hashes = prompt_hashes
-        self._prompt_slots = prompt_slots
-        self._num_generated = 0
 
     @property
     def session_id(self) -> Any:
@@ -138,7 +143,7 @@ class Sequence:
     @property
     def num_known(self) -> int:
         """Token slots known so far: the prompt's plus every appended token."""
-        return self._prompt_slots + self._num_generated
+        return self.prompt_slots + self.num_generated
 
     @property
     def num_pending(self) -> int:
@@ -148,19 +153,25 @@ class Sequence:
     def real_tokens(self, start: int, end: int) -> int:
         """Tokens of slots ``[start, end)`` that are real: a hash-only prompt whose last
         block is partial is padded to whole blocks, and padding is no work."""
-        pad_lo, pad_hi = self.request.prompt_len, self._prompt_slots
+        pad_lo, pad_hi = self.request.prompt_len, self.prompt_slots
         overlap = max(0, min(end, pad_hi) - max(start, pad_lo))
         return end - start - overlap
 
     @property
     def tokens(self) -> list[int] | None:
         """All known token ids (prompt + appended), or None for a hash-only request."""
-        return None if self._known is None else list(self._known)
+        return None if self.token_ids is None else list(self.token_ids)
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id!r}, status={self.status}, tokens={self.num_tokens}, "
                 f"pending={self.num_pending}, blocks={len(self.block_table)}, "
                 f"cached={self.num_cached_tokens})")
+
+
+def _overrides(obj: object, base: type, name: str) -> Callable[..., Any] | None:
+    """``obj``'s bound method ``name`` if its class overrides ``base``'s no-op, else None
+    (the manager skips calls to hooks left as no-ops: a hot path)."""
+    return None if getattr(type(obj), name) is getattr(base, name) else getattr(obj, name)
 
 
 class KVCacheManager:
@@ -192,23 +203,21 @@ class KVCacheManager:
             raise ConfigError(f"admission must be an Admission, got {type(admission).__name__}")
         self.admission: Admission = admission if admission is not None else AlwaysAdmit()
         self.tree = PrefixTree()
+        self.pins = Pins()
         self.stats = CacheStats()
         self._seqs: dict[Any, Sequence] = {}
         self._records: dict[int, BlockInfo] = {}  # block id -> record, cached blocks only
-        self._num_evictable = 0  # cached blocks with ref count 0
-        self._pins: dict[int, float] = {}  # block id -> pinned until (inf: until unpinned)
-        self._pin_heap: list[tuple[float, int]] = []
-        self._withheld: dict[int, BlockInfo] = {}  # pinned candidates kept from the policy
+        #: cached blocks' records by block id: a read-only live view
+        self.records = MappingProxyType(self._records)
         self._tick = 0
         self._last_now = -math.inf
         self._eviction_listeners: list[Callable[[BlockInfo, float], None]] = []
-        # skip calls to hooks the policy leaves as no-ops (a hot path)
-        policy_type = type(self.policy)
-        self._on_hit = None if policy_type.on_hit is Policy.on_hit else self.policy.on_hit
-        self._on_insert = (None if policy_type.on_insert is Policy.on_insert
-                           else self.policy.on_insert)
-        # the built-in LRU gets an inlined eviction loop (not a subclass: it may override)
-        self._builtin_lru = policy_type is LRU
+        self.policy.bind(self.block_size)
+        self._on_hit = _overrides(self.policy, Policy, "on_hit")
+        self._on_insert = _overrides(self.policy, Policy, "on_insert")
+        self._on_begin = _overrides(self.policy, Policy, "on_begin")
+        self._on_finish = _overrides(self.policy, Policy, "on_finish")
+        self._on_admitted = _overrides(self.admission, Admission, "on_admitted")
 
     # -- time ------------------------------------------------------------------------------
 
@@ -234,12 +243,12 @@ class KVCacheManager:
     @property
     def num_evictable_blocks(self) -> int:
         """Cached blocks no running sequence uses (all evictable, leaves first)."""
-        return self._num_evictable
+        return self.tree.num_evictable
 
     @property
     def num_candidates(self) -> int:
         """Current candidates (cached, ref 0, leaf), pinned ones included."""
-        return len(self.tree.candidates)
+        return self.tree.num_candidates
 
     def sequence(self, seq_id: Any) -> Sequence:
         """The live sequence with this id."""
@@ -268,7 +277,41 @@ class KVCacheManager:
         """Longest cached prefix of ``prefix`` (token ids or a `Request`); no side effects."""
         hit = self.tree.longest_prefix(self._prefix_hashes(prefix))
         return LookupResult(len(hit) * self.block_size, len(hit),
-                            tuple(b._id for b in hit))
+                            tuple(b.block_id for b in hit))
+
+    def check(self) -> None:
+        """Verify every invariant; raise `InvariantError` naming the first one broken."""
+        check_manager(self)
+
+    # -- policy events ---------------------------------------------------------------------
+
+    def _policy_error(self, event: str, block: BlockInfo | None,
+                      exc: Exception) -> PolicyError:
+        block_id = None if block is None else block.block_id
+        where = "" if block is None else f" on block {block_id}"
+        error = PolicyError(f"{self.policy!r}.{event}() raised{where}: "
+                            f"{type(exc).__name__}: {exc}",
+                            policy=self.policy, event=event, block_id=block_id)
+        error.__cause__ = exc
+        return error
+
+    def _offer(self, blocks: list[BlockInfo], now: float) -> PolicyError | None:
+        """Blocks became candidates: hand them to the policy, pinned ones excepted. A block
+        whose ``on_candidate`` raises is kept by the manager; the first error is returned
+        for the caller to raise once its operation is complete."""
+        pinned = self.pins.pinned
+        on_candidate = self.policy.on_candidate
+        error = None
+        for block in blocks:
+            if pinned and self.pins.withhold(block):
+                continue
+            try:
+                on_candidate(block, now)
+            except Exception as exc:
+                self.pins.refuse(block)
+                if error is None:
+                    error = self._policy_error("on_candidate", block, exc)
+        return error
 
     # -- begin / resume --------------------------------------------------------------------
 
@@ -280,8 +323,9 @@ class KVCacheManager:
         whole prompt.
 
         Raises `OutOfBlocks` (state unchanged) when even evicting every candidate would not
-        free enough blocks, and `AdmissionDeferred` (state unchanged) when admission control
-        tells the request to wait rather than evict.
+        free enough blocks, `AdmissionDeferred` (state unchanged) when admission control
+        tells the request to wait rather than evict, and `PolicyError` (rolled back) when a
+        policy event raises.
         """
         if not isinstance(request, Request):
             raise ConfigError(f"begin() takes a Request, got {type(request).__name__}")
@@ -308,7 +352,7 @@ class KVCacheManager:
             hashes = block_hashes(request.tokens, self.block_size, self.extra_key)
             slots = prompt_len
         seq = Sequence(request, hashes, slots)
-        self._start(seq, max_new_tokens, prompt_len)
+        self._start(seq, max_new_tokens, prompt_len, begin=True)
         self._seqs[seq.seq_id] = seq
         return seq
 
@@ -319,7 +363,7 @@ class KVCacheManager:
         if seq.status != "preempted":
             raise ConfigError(f"sequence {seq_id!r} is {seq.status}, not preempted")
         self._check_count("max_new_tokens", max_new_tokens)
-        self._start(seq, max_new_tokens, seq.num_known)
+        self._start(seq, max_new_tokens, seq.num_known, begin=False)
         seq.status = "running"
         return seq
 
@@ -329,121 +373,56 @@ class KVCacheManager:
                                   or value < 0):
             raise ConfigError(f"{name} must be a non-negative int or None, got {value!r}")
 
-    def _known_hashes(self, seq: Sequence) -> list[Any]:
-        """Hashes of every full known block of ``seq`` (its lookup key on begin/resume)."""
-        if seq._known is None:
-            return seq._prompt_hashes  # appended blocks of hash-only requests are never cached
-        hashes = list(seq._prompt_hashes)
+    def _start(self, seq: Sequence, max_new_tokens: int | None, query_tokens: int,
+               begin: bool) -> None:
+        """Hit the cached prefix of ``seq``'s chain, then allocate up to ``max_new_tokens``
+        more; ``query_tokens`` count as prefix-cache queries."""
         bs = self.block_size
-        n_full = len(seq._known) // bs
-        hashes.extend(seq._hashes[len(hashes):n_full])  # known from an earlier residency
-        while len(hashes) < n_full:
-            d = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(block_hashes(seq._known[d * bs:(d + 1) * bs], bs, self.extra_key,
-                                       parent)[0])
-        return hashes
-
-    def _start(self, seq: Sequence, max_new_tokens: int | None, query_tokens: int) -> None:
-        """Hit the cached prefix of ``seq``'s known tokens, then allocate up to
-        ``max_new_tokens`` more; ``query_tokens`` count as prefix-cache queries."""
-        bs = self.block_size
-        # (a hash-only request's appended blocks are never cached: its prompt's are the key)
-        hashes = seq._prompt_hashes if seq._known is None else self._known_hashes(seq)
-        cached = self.tree._blocks
-        hit: list[BlockInfo] = []
-        hit_free = 0  # hit blocks no running sequence holds (they stop being evictable)
-        if seq._known is None:  # hash ids from a trace: check they are chained
-            parent = ROOT_HASH
-            depth = 0
-            for h in hashes:
-                block = cached.get(h)
-                if block is None:
-                    break
-                if block._parent != parent or block._depth != depth:
-                    raise ConfigError(
-                        f"request {seq.seq_id!r}: block id {h!r} is cached under parent "
-                        f"{block._parent!r} but follows {parent!r} here; block_hashes must "
-                        "be prefix-chained"
-                    )
-                if not block._ref_count:
-                    hit_free += 1
-                hit.append(block)
-                parent = h
-                depth += 1
-            if not cached.keys().isdisjoint(hashes[len(hit) + 1:]):
-                h = next(h for h in hashes[len(hit) + 1:] if h in cached)
-                raise ConfigError(
-                    f"request {seq.seq_id!r}: block id {h!r} is cached but an earlier "
-                    "id of this request is not; block_hashes must be prefix-chained"
-                )
-        else:
-            for h in hashes:
-                block = cached.get(h)
-                if block is None:
-                    break
-                if not block._ref_count:
-                    hit_free += 1
-                hit.append(block)
-        known = seq._prompt_slots + seq._num_generated  # seq.num_known
-        hit_tokens = min(len(hit) * bs, known)
+        hashes = seq.hashes
+        hit, unreferenced = self.tree.match(hashes, seq.seq_id)
+        num_hit = len(hit)  # ``hit`` becomes the sequence's list of cached blocks and grows
+        known = seq.num_known
+        hit_tokens = min(num_hit * bs, known)
         target = known if max_new_tokens is None else min(known, hit_tokens + max_new_tokens)
-        need = -(-target // bs) - len(hit)
-        available = len(self.pool._free) + self._num_evictable - hit_free
+        need = -(-target // bs) - num_hit
+        pool = self.pool
+        evictable = self.tree.num_evictable - unreferenced
+        available = pool.num_free + evictable
         if need > available:
             raise OutOfBlocks(
                 f"request {seq.seq_id!r} needs {need} new blocks but only {available} can be "
-                f"freed ({self.pool.num_free} free, {self._num_evictable - hit_free} evictable "
-                f"cached); the rest is in use by running sequences",
+                f"freed ({pool.num_free} free, {evictable} evictable cached); the rest is in "
+                "use by running sequences",
                 needed=need, available=available,
             )
         now = self._now()
-        pool = self.pool
-        old_hashes = seq._hashes
-        self._acquire_all(hit, now)  # hold the hit blocks so eviction cannot take them
-        seq.block_table = [b._id for b in hit]
-        seq._hashes = list(hashes[:len(hit)])
+        seq.block_table = self._acquire(hit, now)  # hold the hits so eviction cannot take them
+        seq.cached_blocks = hit
         seq.num_tokens = hit_tokens
         try:
-            evictions = need - len(pool._free)
-            admission = self.admission
-            always = type(admission) is AlwaysAdmit  # admits, and on_admitted is a no-op
-            if evictions > 0 and not always:
-                decision = admission.admit(seq.request, evictions, self, now)
+            evictions = need - pool.num_free
+            if evictions > 0:
+                decision = self.admission.admit(seq.request, evictions, self, now)
                 if not decision.admit:
                     raise AdmissionDeferred(
                         f"request {seq.seq_id!r} deferred: {decision.reason}",
                         request_id=seq.seq_id, reason=decision.reason,
                         retry_after=decision.retry_after,
                     )
-            if evictions > 0:
                 self._evict(evictions, now)
-            session = seq.request.session_id
-            retention = seq.request.retention
-            on_hit = self._on_hit
-            tick = self._tick
-            for block in hit:
-                tick += 1
-                block._last_access = now
-                block._last_access_tick = tick
-                block._hit_count += 1
-                block._last_hit_session = session
-                if block._sharer != session:  # note_sharer, inlined for the common case
-                    note_sharer(block, session, now)
-                block._shared = now
-                if retention is not None:
-                    block._retention = retention
-                if on_hit is not None:
-                    self._tick = tick
-                    on_hit(block, now)
-            self._tick = tick
+            self._note_hits(hit, seq.request, now)
             self._allocate_to(seq, target, now, "prefill")
-            if not always:
-                admission.on_admitted(seq.request, now)
+            if self._on_admitted is not None:
+                self._on_admitted(seq.request, now)
+            if begin and self._on_begin is not None:
+                try:
+                    cached = seq.cached_blocks
+                    self._on_begin(seq.request, cached[:num_hit], cached[num_hit:], now)
+                except Exception as exc:
+                    raise self._policy_error("on_begin", None, exc) from exc
         except BaseException:
             # undo: release what the sequence holds (cached blocks become candidates)
-            self._release_all(seq, now, touch=False)
-            seq._hashes = old_hashes
+            self._release(seq, now, touch=False)
             seq.num_tokens = 0
             raise
         seq.num_hit_slots = hit_tokens
@@ -453,7 +432,23 @@ class KVCacheManager:
         stats.prefix_cache_queries += query_tokens
         stats.prefix_cache_hits += min(seq.num_cached_tokens, query_tokens)
         stats.block_queries += len(hashes)
-        stats.block_hits += len(hit)
+        stats.block_hits += num_hit
+
+    def _note_hits(self, hit: list[BlockInfo], request: Request, now: float) -> None:
+        """Stamp each hit block's record, then tell the policy."""
+        session, retention = request.session_id, request.retention
+        on_hit = self._on_hit
+        tick = self._tick
+        for block in hit:
+            tick += 1
+            block.note_hit(now, tick, session, retention)
+            if on_hit is not None:
+                self._tick = tick
+                try:
+                    on_hit(block, now)
+                except Exception as exc:
+                    raise self._policy_error("on_hit", block, exc) from exc
+        self._tick = tick
 
     # -- growth: prefill chunks and decode appends -----------------------------------------
 
@@ -487,7 +482,7 @@ class KVCacheManager:
             seq = self.sequence(seq_id)  # raises: no such sequence
         if seq.status != "running":
             raise ConfigError(f"sequence {seq_id!r} is {seq.status}; resume it before appending")
-        if seq._known is None:
+        if seq.token_ids is None:
             if (type(tokens) is not int  # not a plain int count (the common case)
                     and (isinstance(tokens, bool) or not isinstance(tokens, int))) or tokens < 0:
                 raise ConfigError(
@@ -501,17 +496,17 @@ class KVCacheManager:
         else:
             new_tokens = as_token_array(tokens).tolist()
             n = len(new_tokens)
-        if seq.num_tokens != seq._prompt_slots + seq._num_generated:
+        if seq.num_tokens != seq.prompt_slots + seq.num_generated:
             raise ConfigError(f"sequence {seq_id!r} still has {seq.num_pending} prompt tokens "
                               "to prefill; call prefill() before appending")
         target = seq.num_tokens + n
         bs = self.block_size
         if (-(-target // bs) <= len(seq.block_table)
-                and (new_tokens is None or target // bs <= len(seq._hashes))):
+                and (new_tokens is None or target // bs <= len(seq.cached_blocks))):
             # the decode loop's common case: no new block, none becomes full and cacheable
-            seq._num_generated += n
+            seq.num_generated += n
             if new_tokens is not None:
-                seq._known.extend(new_tokens)  # type: ignore[union-attr]
+                seq.token_ids.extend(new_tokens)  # type: ignore[union-attr]
             seq.num_tokens = target
             return []
         return self._grow(seq, target, new_tokens, "decode")
@@ -520,8 +515,8 @@ class KVCacheManager:
               created_by: str) -> list[int]:
         bs = self.block_size
         need = -(-target // bs) - len(seq.block_table)
-        free = self.pool._free
-        available = len(free) + self._num_evictable
+        pool = self.pool
+        available = pool.num_free + self.tree.num_evictable
         if need > available:
             raise OutOfBlocks(
                 f"sequence {seq.seq_id!r} needs {need} more blocks but only {available} can "
@@ -529,126 +524,102 @@ class KVCacheManager:
             )
         now = self._now()
         if need > 0:  # (even with enough free blocks: _evict expires due pins)
-            self._evict(need - len(free), now)
-        known = seq._prompt_slots + seq._num_generated  # seq.num_known
+            self._evict(need - pool.num_free, now)
+        known = seq.num_known
         if target > known:  # decode appends make new tokens known
-            seq._num_generated += target - known
+            seq.num_generated += target - known
             if new_tokens is not None:
-                seq._known.extend(new_tokens)  # type: ignore[union-attr]
+                seq.token_ids.extend(new_tokens)  # type: ignore[union-attr]
+                self._extend_chain(seq)
         before = len(seq.block_table)
         self._allocate_to(seq, target, now, created_by)
         return seq.block_table[before:]
 
+    def _extend_chain(self, seq: Sequence) -> None:
+        """Token mode: hash every block of ``seq``'s known tokens that became full."""
+        known, hashes, bs = seq.token_ids, seq.hashes, self.block_size
+        for d in range(len(hashes), len(known) // bs):  # type: ignore[arg-type]
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block(parent, known[d * bs:(d + 1) * bs],  # type: ignore
+                                     self.extra_key))
+
     def _allocate_to(self, seq: Sequence, target: int, now: float, created_by: str) -> None:
         """Allocate blocks until ``target`` token slots are covered (the caller evicted
-        enough), then cache every block that became full."""
+        enough), then cache every block of the chain that became full."""
         pool = self.pool
         bs = self.block_size
         need = -(-target // bs) - len(seq.block_table)
         if need > 0:
-            free, used, ref = pool._free, pool._used, pool._ref
-            table = seq.block_table
-            for _ in range(need):
-                block_id = free.pop()  # the caller made room; the pool's own checks are
-                used[block_id] = True  # for its public API
-                ref[block_id] = 1
-                table.append(block_id)
+            seq.block_table.extend(pool.take(need))
             self.stats.allocated_blocks += need
         seq.num_tokens = target
-        if seq._known is None:  # hash mode: listed blocks are cacheable when computed
-            listed = seq._prompt_hashes
-            done = len(listed) if target >= seq._prompt_slots else target // bs
-            first = len(seq._hashes)
-            if first < min(done, len(listed)):
-                self._cache_listed(seq, first, min(done, len(listed)), now, created_by)
-        else:
-            prompt_hashes = seq._prompt_hashes
-            for depth in range(len(seq._hashes), target // bs):
-                if depth < len(prompt_hashes):
-                    h = prompt_hashes[depth]
-                else:
-                    parent = seq._hashes[-1] if seq._hashes else ROOT_HASH
-                    h = block_hashes(seq._known[depth * bs:(depth + 1) * bs], bs,  # type: ignore
-                                     self.extra_key, parent)[0]
-                self._cache_block(seq, depth, h, now, created_by)
-        used = pool.num_blocks - len(pool._free)  # pool.num_used
+        end = min(len(seq.hashes), target // bs)
+        if len(seq.cached_blocks) < end:
+            self._cache(seq, end, now, created_by)
+        used = pool.num_used
         if used > self.stats.peak_blocks_used:
             self.stats.peak_blocks_used = used
 
-    def _cache_listed(self, seq: Sequence, first: int, end: int, now: float,
-                      created_by: str) -> None:
-        """`_cache_block` for blocks ``first..end-1`` of a hash-mode request, in one loop
-        (the simulator's and the trace replay's hot path)."""
-        cached = self.tree._blocks
+    def _cache(self, seq: Sequence, end: int, now: float, created_by: str) -> None:
+        """Register blocks ``len(seq.cached_blocks) .. end - 1`` of ``seq``'s block table
+        under its chain (or share an identical cached block): the one caching path."""
+        tree = self.tree
         records = self._records
-        table, hashes, listed = seq.block_table, seq._hashes, seq._prompt_hashes
+        cached, table, hashes = seq.cached_blocks, seq.block_table, seq.hashes
         request = seq.request
         kinds = request.block_kinds
+        known = seq.token_ids
+        bs = self.block_size
+        prompt_len = request.prompt_len
         nbytes = self.pool.bytes_per_block
         cls, session, retention = request.workload_class, request.session_id, request.retention
         on_insert = self._on_insert
-        parent = hashes[-1] if first else ROOT_HASH  # seq holds the parent: cached
-        for depth in range(first, end):
-            block_hash = listed[depth]
-            if block_hash in cached:  # computed twice concurrently: keep the cached copy
-                self._cache_block(seq, depth, block_hash, now, created_by)
-                parent = block_hash
+        stats = self.stats
+        parent = cached[-1] if cached else None  # seq holds the parent: it stays no candidate
+        for depth in range(len(cached), end):
+            block_hash = hashes[depth]
+            existing = tree.get(block_hash)
+            if existing is not None:  # computed twice concurrently: keep the cached copy
+                self._share(seq, depth, existing, now)
+                parent = existing
                 continue
+            tokens = None
+            kind = kinds[depth] if kinds is not None and depth < len(kinds) else "prompt"
+            if known is not None:
+                tokens = np.asarray(known[depth * bs:(depth + 1) * bs], dtype=np.int64)
+                if (depth + 1) * bs > prompt_len:
+                    kind = "output"  # holds generated tokens
             self._tick += 1
-            kind = kinds[depth] if kinds is not None and depth < len(kinds) else "prompt"
             block_id = table[depth]
-            block = BlockInfo(block_id, block_hash, parent, depth, None, nbytes, cls, session,
-                              now, self._tick, retention, created_by, kind)
-            block._ref_count = 1
-            if depth:  # the parent is held by seq: it was no candidate and stays none
-                cached[parent]._num_children += 1
-            cached[block_hash] = block
+            block = BlockInfo(block_id, block_hash,
+                              ROOT_HASH if parent is None else parent.block_hash, depth,
+                              tokens, nbytes, cls, session, now, self._tick, retention,
+                              created_by, kind, parent)
+            block.ref_count = 1
+            tree.insert(block)
             records[block_id] = block
-            hashes.append(block_hash)
-            self.stats.inserted_blocks += 1
+            cached.append(block)
+            stats.inserted_blocks += 1
             if on_insert is not None:
-                on_insert(block, now)
-            parent = block_hash
+                try:
+                    on_insert(block, now)
+                except Exception as exc:  # the block stays uncached, private to seq
+                    tree.discard(block)
+                    del records[block_id]
+                    cached.pop()
+                    stats.inserted_blocks -= 1
+                    raise self._policy_error("on_insert", block, exc) from exc
+            parent = block
 
-    def _cache_block(self, seq: Sequence, depth: int, block_hash: Any, now: float,
-                     created_by: str) -> None:
-        """Register the full block ``depth`` of ``seq`` (or share an identical cached one)."""
-        block_id = seq.block_table[depth]
-        cached = self.tree._blocks
-        existing = cached.get(block_hash)
-        if existing is not None:  # computed twice concurrently: keep the cached copy
-            self._acquire_all((existing,), now)
-            note_sharer(existing, seq.request.session_id, now)
-            seq.block_table[depth] = existing._id
-            self.pool.decref(block_id)
-            self.pool.free(block_id)
-            seq._hashes.append(block_hash)
-            return
-        self._tick += 1
-        parent = seq._hashes[-1] if depth else ROOT_HASH  # seq holds the parent: cached
-        bs = self.block_size
-        end = (depth + 1) * bs
-        request = seq.request
-        tokens = None
-        if seq._known is not None:
-            tokens = np.asarray(seq._known[depth * bs:end], dtype=np.int64)
-        if end > request.prompt_len and seq._known is not None:
-            kind = "output"  # holds generated tokens
-        else:
-            kinds = request.block_kinds
-            kind = kinds[depth] if kinds is not None and depth < len(kinds) else "prompt"
-        block = BlockInfo(block_id, block_hash, parent, depth, tokens, self.pool.bytes_per_block,
-                          request.workload_class, request.session_id, now, self._tick,
-                          request.retention, created_by, kind)
-        block._ref_count = 1
-        if depth:  # the parent is held by seq: it was no candidate and stays none
-            cached[parent]._num_children += 1
-        cached[block_hash] = block
-        self._records[block_id] = block
-        seq._hashes.append(block_hash)
-        self.stats.inserted_blocks += 1
-        if self._on_insert is not None:
-            self._on_insert(block, now)
+    def _share(self, seq: Sequence, depth: int, existing: BlockInfo, now: float) -> None:
+        """Swap ``seq``'s private block ``depth`` for the identical cached ``existing``."""
+        private = seq.block_table[depth]
+        self._acquire([existing], now)
+        existing.note_sharer(seq.request.session_id, now)
+        seq.block_table[depth] = existing.block_id
+        seq.cached_blocks.append(existing)
+        self.pool.decref_all((private,))
+        self.pool.release([private])
 
     # -- release ---------------------------------------------------------------------------
 
@@ -657,257 +628,208 @@ class KVCacheManager:
         seq = self._seqs.get(seq_id)
         if seq is None:
             seq = self.sequence(seq_id)  # raises: no such sequence
-        if seq.status == "running":
-            self._release_all(seq, self._now())
+        blocks = seq.cached_blocks
+        error = self._release(seq, self._now()) if seq.status == "running" else None
         del self._seqs[seq_id]
         seq.status = "finished"
         self.stats.finished += 1
+        if self._on_finish is not None:
+            try:
+                self._on_finish(seq.request, blocks, self._last_now)
+            except Exception as exc:
+                raise self._policy_error("on_finish", None, exc) from exc
+        if error is not None:
+            raise error
 
     def preempt(self, seq_id: Any) -> Sequence:
         """Release a running sequence's blocks (tail first) but keep it for `resume`."""
         seq = self.sequence(seq_id)
         if seq.status != "running":
             raise ConfigError(f"sequence {seq_id!r} is {seq.status}, not running")
-        self._release_all(seq, self._now())
+        error = self._release(seq, self._now())
         seq.status = "preempted"
         self.stats.preemptions += 1
+        if error is not None:
+            raise error
         return seq
 
-    def _release_all(self, seq: Sequence, now: float, touch: bool = True) -> None:
-        """Drop ``seq``'s references, tail first: cached blocks left unused become
-        candidates (leaves) or evictable; uncached ones go back to the free list."""
-        records = self._records
+    def _release(self, seq: Sequence, now: float, touch: bool = True) -> PolicyError | None:
+        """Drop ``seq``'s references, tail first: cached blocks left unused become evictable
+        (candidates if leaves); private ones go back to the free list."""
+        table, blocks = seq.block_table, seq.cached_blocks
         pool = self.pool
-        ref, used, free = pool._ref, pool._used, pool._free
+        pool.decref_all(table)
+        n = len(blocks)
+        if len(table) > n:
+            pool.release(table[:n - 1:-1] if n else table[::-1])
+        unused = []
         tick = self._tick
-        get = records.get
-        for block_id in reversed(seq.block_table):
-            ref[block_id] -= 1
-            block = get(block_id)
-            if block is None:  # a partial (or never cached) block: free it
-                used[block_id] = False
-                free.append(block_id)
-                continue
-            count = block._ref_count - 1
-            block._ref_count = count
+        for block in reversed(blocks):
+            count = block.ref_count - 1
+            block.ref_count = count
             if touch:
                 tick += 1
-                block._last_access = now
-                block._last_access_tick = tick
+                block.last_access = now
+                block.last_access_tick = tick
             if not count:
-                self._num_evictable += 1
-                if not block._num_children:
-                    self._tick = tick
-                    self._add_candidate(block, now)
+                unused.append(block)
         self._tick = tick
         seq.block_table = []
+        seq.cached_blocks = []
+        if unused:
+            new = self.tree.unreferenced(unused)
+            if new:
+                return self._offer(new, now)
+        return None
 
-    def _acquire_all(self, blocks: Any, now: float) -> None:
-        """Take a reference on each cached block (they stop being candidates)."""
-        ref = self.pool._ref
-        candidates = self.tree.candidates
+    def _acquire(self, blocks: list[BlockInfo], now: float) -> list[int]:
+        """Take a reference on each cached block (they stop being candidates); return their
+        ids. If the policy raises on a block leaving its index, nothing is taken."""
+        ids = []
+        first = []
         for block in blocks:
-            if not block._ref_count:
-                self._num_evictable -= 1
-                if block._id in candidates:
-                    self._drop_candidate(block, now)
-            block._ref_count += 1
-            ref[block._id] += 1
+            if not block.ref_count:
+                first.append(block)
+            block.ref_count += 1
+            ids.append(block.block_id)
+        self.pool.incref_all(ids)
+        if first:
+            left = self.tree.referenced(first)
+            if left:
+                self._withdraw(left, blocks, ids, now)
+        return ids
 
-    # -- candidates and eviction -----------------------------------------------------------
+    def _withdraw(self, left: list[BlockInfo], blocks: list[BlockInfo], ids: list[int],
+                  now: float) -> None:
+        """``left`` stopped being candidates (``blocks`` were acquired): tell the policy."""
+        pins = self.pins
+        kept = pins.withheld or pins.refused
+        on_uncandidate = self.policy.on_uncandidate
+        for i, block in enumerate(left):
+            if kept and pins.take_back(block.block_id):
+                continue  # the policy never had it
+            try:
+                on_uncandidate(block, now)
+            except Exception as exc:
+                error = self._policy_error("on_uncandidate", block, exc)
+                # roll back: drop the references; the blocks before ``i`` go back to the
+                # policy, block ``i`` and those after it never left it
+                unused = []
+                for b in blocks:
+                    b.ref_count -= 1
+                    if not b.ref_count:
+                        unused.append(b)
+                self.pool.decref_all(ids)
+                self.tree.unreferenced(unused)
+                self._offer(left[:i], now)
+                raise error from exc
 
-    def _add_candidate(self, block: BlockInfo, now: float) -> None:
-        self.tree.candidates[block._id] = block
-        if block._id in self._pins:
-            self._withheld[block._id] = block
-        else:
-            self.policy.on_candidate(block, now)
-
-    def _drop_candidate(self, block: BlockInfo, now: float) -> None:
-        del self.tree.candidates[block._id]
-        if self._withheld.pop(block._id, None) is None:
-            self.policy.on_uncandidate(block, now)
-
-    def _expire_pins(self, now: float) -> None:
-        heap = self._pin_heap
-        while heap and heap[0][0] <= now:
-            until, block_id = heapq.heappop(heap)
-            if self._pins.get(block_id) == until:
-                self._unpin_block(block_id, now)
+    # -- eviction --------------------------------------------------------------------------
 
     def _evict(self, count: int, now: float) -> None:
-        """Evict ``count`` candidates (the caller checked that enough exist)."""
-        if self._pin_heap:
-            self._expire_pins(now)  # ``now`` is fixed: expiring once is enough
-        withheld = self._withheld
-        if not withheld and not self._eviction_listeners:
-            if self._builtin_lru:
-                self._evict_lru(count, now)
-            else:
-                self._evict_fast(count, now)
-            return
+        """Evict ``count`` candidates (the caller checked that enough exist): the one
+        eviction loop. The policy names each victim; candidates the manager keeps from it
+        (pinned or refused) are evicted only as described in `kvevict.pins`."""
+        pins = self.pins
+        if pins.next_expiry <= now:  # ``now`` is fixed: expiring once is enough
+            error = self._offer(pins.expire(now), now)
+            if error is not None:
+                raise error
         candidates = self.tree.candidates
-        victim = self.policy.victim
-        evict_block = self._evict_block
-        for _ in range(count):
-            victim_id = victim(now)
-            block = candidates.get(victim_id) if victim_id is not None else None
-            if block is None or victim_id in withheld:
-                offered = len(candidates) - len(withheld)
-                if victim_id is None and not offered:
-                    victim_id = min(withheld, key=lambda i: (
-                        self._pins[i], withheld[i]._last_access_tick))
-                    block = candidates[victim_id]
-                elif victim_id is None:
-                    raise PolicyError(
-                        f"{self.policy!r}.victim() returned None but it holds {offered} "
-                        "candidates"
-                    )
-                else:
-                    what = ("a pinned candidate the policy was never offered"
-                            if victim_id in withheld else "not a candidate")
-                    raise PolicyError(
-                        f"{self.policy!r}.victim() returned block {victim_id!r}, which is "
-                        f"{what} (candidates are cached, unused leaves)"
-                    )
-            evict_block(block, now)
-
-    def _evict_fast(self, count: int, now: float) -> None:
-        """`_evict` with `_evict_block` inlined, for the common case: no pinned candidate, no
-        listener (the hot path of a cache under pressure)."""
-        candidates = self.tree.candidates
+        evict_from_tree = self.tree.evict
         policy = self.policy
-        victim, on_evict = policy.victim, policy.on_evict
-        cached = self.tree._blocks
+        victim, on_evict, on_candidate = policy.victim, policy.on_evict, policy.on_candidate
+        withheld, refused, pinned = pins.withheld, pins.refused, pins.pinned
+        listeners = self._eviction_listeners
         records = self._records
-        pool = self.pool
-        used, free = pool._used, pool._free
-        stats = self.stats
-        by_class = stats.evictions_by_class
-        pins = self._pins
-        on_candidate = policy.on_candidate
-        for _ in range(count):
-            victim_id = victim(now)
-            block = candidates.get(victim_id) if victim_id is not None else None
-            if block is None:
-                if victim_id is None:
-                    raise PolicyError(
-                        f"{policy!r}.victim() returned None but it holds {len(candidates)} "
-                        "candidates"
-                    )
-                raise PolicyError(
-                    f"{policy!r}.victim() returned block {victim_id!r}, which is not a "
-                    "candidate (candidates are cached, unused leaves)"
-                )
-            del candidates[victim_id]
-            on_evict(block, now)
-            del cached[block._hash]
-            del records[victim_id]
-            self._num_evictable -= 1
-            used[victim_id] = False
-            free.append(victim_id)
-            stats.evictions += 1
-            cls = block._workload_class
-            by_class[cls] = by_class.get(cls, 0) + 1
-            if block._depth:  # the parent may have become a leaf, hence a candidate
-                parent = cached[block._parent]
-                parent._num_children -= 1
-                if not parent._num_children and not parent._ref_count:
-                    if parent._id in pins:
-                        self._add_candidate(parent, now)
-                    else:  # _add_candidate, inlined
-                        candidates[parent._id] = parent
-                        on_candidate(parent, now)
-
-    def _evict_lru(self, count: int, now: float) -> None:
-        """`_evict_fast` for the built-in `LRU` (vLLM's order, the common configuration), with
-        its ``victim`` / ``on_evict`` / ``on_candidate`` inlined on its queue: the same victims
-        in the same order, and the same index state, as through the protocol calls."""
-        candidates = self.tree.candidates
-        policy = self.policy
-        queue = policy._queue
-        late = policy._late  # blocks offered late (older than the queue's tail): rare
-        pop_oldest = queue.popitem
-        cached = self.tree._blocks
-        records = self._records
-        pool = self.pool
-        used, free = pool._used, pool._free
         by_class = self.stats.evictions_by_class
-        pins = self._pins
-        on_candidate = policy.on_candidate
-        evicted = 0
+        freed: list[int] = []
+        error = None
         try:
             for _ in range(count):
-                if late:  # the heap may hold the oldest: let the policy choose
-                    victim_id = policy.victim(now)
-                    block = candidates.pop(victim_id)
-                    policy.on_evict(block, now)
-                else:  # the queue's head is the oldest candidate
-                    victim_id = pop_oldest(False)[0]
-                    block = candidates.pop(victim_id)
-                del cached[block._hash]
-                del records[victim_id]
-                used[victim_id] = False
-                free.append(victim_id)
-                evicted += 1
-                cls = block._workload_class
+                if refused:  # a candidate the policy could not take: no rank to wait for
+                    block = pins.fallback()
+                    kept = True
+                else:
+                    try:
+                        victim_id = victim(now)
+                    except Exception as exc:
+                        raise self._policy_error("victim", None, exc) from exc
+                    block = candidates.get(victim_id)
+                    kept = False
+                    if block is None or (withheld and victim_id in withheld):
+                        block = self._no_victim(victim_id)
+                        kept = True
+                if listeners:
+                    for listener in listeners:
+                        listener(block, now)
+                try:
+                    on_evict(block, now)  # also for a kept block the policy never had
+                except Exception as exc:
+                    raise self._policy_error("on_evict", block, exc) from exc
+                if kept:
+                    pins.evicted(block.block_id)
+                block_id = block.block_id
+                parent = evict_from_tree(block)
+                del records[block_id]
+                freed.append(block_id)
+                cls = block.workload_class
                 by_class[cls] = by_class.get(cls, 0) + 1
-                if block._depth:  # the parent may have become a leaf, hence a candidate
-                    parent = cached[block._parent]
-                    parent._num_children -= 1
-                    if not parent._num_children and not parent._ref_count:
-                        parent_id = parent._id
-                        if parent_id in pins:
-                            self._add_candidate(parent, now)
-                            continue
-                        candidates[parent_id] = parent
+                if parent is not None:  # the parent became a leaf, hence a candidate
+                    if pinned and pins.withhold(parent):
+                        continue
+                    try:
                         on_candidate(parent, now)
+                    except Exception as exc:
+                        pins.refuse(parent)
+                        if error is None:
+                            error = self._policy_error("on_candidate", parent, exc)
         finally:
-            self._num_evictable -= evicted
-            self.stats.evictions += evicted
+            if freed:
+                self.pool.release(freed)
+                self.stats.evictions += len(freed)
+        if error is not None:
+            raise error
+
+    def _no_victim(self, victim_id: Any) -> BlockInfo:
+        """``victim()`` named no offered candidate: the kept candidate to evict when the
+        policy holds none, else a `PolicyError`."""
+        pins = self.pins
+        refused = pins.refused.get(victim_id)
+        if refused is not None:  # the policy indexed it after all
+            return refused
+        offered = self.tree.num_candidates - len(pins.withheld) - len(pins.refused)
+        if victim_id is None and not offered:
+            block = pins.fallback()
+            if block is not None:
+                return block
+        if victim_id is None:
+            raise PolicyError(
+                f"{self.policy!r}.victim() returned None but it holds {offered} candidates",
+                policy=self.policy, event="victim",
+            )
+        what = ("a pinned candidate the policy was never offered"
+                if victim_id in pins.withheld else "not a candidate")
+        raise PolicyError(
+            f"{self.policy!r}.victim() returned block {victim_id!r}, which is {what} "
+            "(candidates are cached, unused leaves)",
+            policy=self.policy, event="victim", block_id=victim_id,
+        )
 
     def add_eviction_listener(self, callback: Callable[[BlockInfo, float], None]) -> None:
-        """Call ``callback(block, now)`` just before each eviction (the block still cached).
-
-        For metrics and tests; a listener must not change the cache.
-        """
+        """Call ``callback(block, now)`` just before each eviction (the block still cached),
+        from the one eviction loop. For metrics and tests; a listener must not change the
+        cache."""
         if not callable(callback):
             raise ConfigError("an eviction listener must be callable(block, now)")
         self._eviction_listeners.append(callback)
-
-    def _evict_block(self, block: BlockInfo, now: float) -> None:
-        if self._eviction_listeners:
-            for listener in self._eviction_listeners:
-                listener(block, now)
-        block_id = block._id
-        del self.tree.candidates[block_id]
-        if self._withheld and self._withheld.pop(block_id, None) is not None:
-            del self._pins[block_id]
-        self.policy.on_evict(block, now)  # also for pinned blocks it was never offered
-        cached = self.tree._blocks
-        del cached[block._hash]
-        del self._records[block_id]
-        self._num_evictable -= 1
-        pool = self.pool
-        pool._used[block_id] = False
-        pool._free.append(block_id)
-        stats = self.stats
-        stats.evictions += 1
-        by_class = stats.evictions_by_class
-        cls = block._workload_class
-        by_class[cls] = by_class.get(cls, 0) + 1
-        if block._depth:  # the parent may have become a leaf, hence a candidate
-            parent = cached[block._parent]
-            parent._num_children -= 1
-            if parent._num_children == 0 and parent._ref_count == 0:
-                self._add_candidate(parent, now)
 
     def evict(self, count: int = 1) -> int:
         """Evict up to ``count`` candidates now (e.g. to make room ahead of time); return
         how many were evicted."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ConfigError(f"count must be a non-negative int, got {count!r}")
-        count = min(count, self._num_evictable)
+        count = min(count, self.tree.num_evictable)
         self._evict(count, self._now())
         return count
 
@@ -928,121 +850,36 @@ class KVCacheManager:
         blocks = self.tree.longest_prefix(self._prefix_hashes(prefix))
         if expiry <= now:
             return 0
+        pins, candidates = self.pins, self.tree.candidates
         for block in blocks:
-            old = self._pins.get(block._id)
-            if old is not None and old >= expiry:
-                continue
-            self._pins[block._id] = expiry
-            if expiry != math.inf:
-                heapq.heappush(self._pin_heap, (expiry, block._id))
-            if old is None and block._id in self.tree.candidates:
-                self.policy.on_uncandidate(block, now)
-                self._withheld[block._id] = block
+            if pins.pin(block, expiry) and block.block_id in candidates:
+                try:  # withdraw it from the policy first: if that raises, no pin
+                    self.policy.on_uncandidate(block, now)
+                except Exception as exc:
+                    pins.unpin(block.block_id)
+                    raise self._policy_error("on_uncandidate", block, exc) from exc
+                pins.withhold(block)
         return len(blocks)
 
     def unpin(self, prefix: Any) -> int:
         """Remove pins from the cached blocks of ``prefix``; return how many were pinned."""
         now = self._now()
         count = 0
+        released = []
         for block in self.tree.longest_prefix(self._prefix_hashes(prefix)):
-            if block._id in self._pins:
-                self._unpin_block(block._id, now)
+            if block.block_id in self.pins:
+                withheld = self.pins.unpin(block.block_id)
+                if withheld is not None:
+                    released.append(withheld)
                 count += 1
+        error = self._offer(released, now)
+        if error is not None:
+            raise error
         return count
-
-    def _unpin_block(self, block_id: int, now: float) -> None:
-        del self._pins[block_id]
-        block = self._withheld.pop(block_id, None)
-        if block is not None:
-            self.policy.on_candidate(block, now)
 
     def is_pinned(self, block_id: int) -> bool:
         """Whether a cached block is explicitly pinned (expired pins count as unpinned)."""
-        until = self._pins.get(block_id)
-        return until is not None and until > self.clock()
-
-    # -- invariants ------------------------------------------------------------------------
-
-    def check(self) -> None:
-        """Verify every invariant; raise `InvariantError` naming the first one broken."""
-        pool, tree = self.pool, self.tree
-
-        def fail(msg: str) -> None:
-            raise InvariantError(msg)
-
-        if pool.num_free + pool.num_used != pool.num_blocks:
-            fail("free + used != total")
-        if len(set(pool._free)) != len(pool._free):
-            fail("a block is on the free list twice")
-        for b in pool._free:
-            if pool._used[b] or pool._ref[b]:
-                fail(f"free block {b} is marked used or referenced")
-        refs = [0] * pool.num_blocks
-        for seq in self._seqs.values():
-            if seq.status == "running":
-                expected = -(-seq.num_tokens // self.block_size)
-                if len(seq.block_table) != expected:
-                    fail(f"sequence {seq.seq_id!r} holds {len(seq.block_table)} blocks for "
-                         f"{seq.num_tokens} tokens")
-                if len(set(seq.block_table)) != len(seq.block_table):
-                    fail(f"sequence {seq.seq_id!r} lists a block twice")
-                for depth, b in enumerate(seq.block_table):
-                    refs[b] += 1
-                    if depth < len(seq._hashes):
-                        rec = self._records.get(b)
-                        if rec is None or rec._hash != seq._hashes[depth]:
-                            fail(f"sequence {seq.seq_id!r} block {depth} is not its cached "
-                                 "block")
-            elif seq.block_table:
-                fail(f"{seq.status} sequence {seq.seq_id!r} still holds blocks")
-        for b in range(pool.num_blocks):
-            if pool._ref[b] != refs[b]:
-                fail(f"block {b}: ref count {pool._ref[b]} but {refs[b]} running users")
-            if pool._ref[b] < 0:
-                fail(f"block {b}: negative ref count")
-            if pool._used[b] and refs[b] == 0 and b not in self._records:
-                fail(f"block {b} is used but neither cached nor held (leaked)")
-        if len(self._records) != len(tree):
-            fail("records and tree disagree on the cached blocks")
-        children: dict[Any, int] = {}
-        evictable = 0
-        for block in tree:
-            if self._records.get(block._id) is not block:
-                fail(f"cached block {block._id} has no record")
-            if not pool._used[block._id]:
-                fail(f"cached block {block._id} is on the free list")
-            if block._ref_count != pool._ref[block._id]:
-                fail(f"block {block._id}: record ref {block._ref_count} != pool ref")
-            if block._depth > 0:
-                if block._parent not in tree:
-                    fail(f"prefix closure: block {block._id}'s parent is not cached")
-                children[block._parent] = children.get(block._parent, 0) + 1
-            if block._ref_count == 0:
-                evictable += 1
-        if evictable != self._num_evictable:
-            fail(f"evictable count {self._num_evictable} != {evictable}")
-        expected_candidates = set()
-        for block in tree:
-            if block._num_children != children.get(block._hash, 0):
-                fail(f"block {block._id}: child count {block._num_children} is wrong")
-            if block._ref_count == 0 and block._num_children == 0:
-                expected_candidates.add(block._id)
-        if set(tree.candidates) != expected_candidates:
-            fail("candidate set != {cached, ref 0, leaf}")
-        for block_id in self._withheld:
-            if block_id not in self._pins or block_id not in tree.candidates:
-                fail(f"withheld block {block_id} is not a pinned candidate")
-        for block_id in self._pins:
-            if block_id not in self._records:
-                fail(f"pinned block {block_id} is not cached")
-            if block_id in tree.candidates and block_id not in self._withheld:
-                fail(f"pinned candidate {block_id} was offered to the policy")
-        size = getattr(self.policy, "__len__", None)
-        if size is not None:
-            offered = len(tree.candidates) - len(self._withheld)
-            if len(self.policy) != offered:  # type: ignore[arg-type]
-                fail(f"policy tracks {len(self.policy)} candidates, expected "  # type: ignore
-                     f"{offered}")
+        return self.pins.is_pinned(block_id, self.clock())
 
     def __repr__(self) -> str:
         return (f"KVCacheManager(blocks={self.pool.num_blocks}, block_size={self.block_size}, "

@@ -133,6 +133,75 @@ class BlockPool:
         self._check_id(block_id)
         return self._used[block_id]
 
+    # -- batch operations (the manager's hot path; like vLLM's ``popleft_n`` / ``append_n``) --
+
+    def take(self, n: int) -> list[int]:
+        """Take ``n`` free blocks, each with ref count 1, in the order `allocate` would hand
+        them out. Raises `OutOfBlocks` (nothing taken) when fewer than ``n`` are free."""
+        free = self._free
+        if n > len(free):
+            raise OutOfBlocks(f"{n} blocks requested but only {len(free)} of "
+                              f"{self.num_blocks} are free", needed=n, available=len(free))
+        if n <= 0:
+            if n < 0:
+                raise ConfigError(f"cannot take {n} blocks; expected a count >= 0")
+            return []
+        ids = free[-n:]
+        del free[-n:]
+        ids.reverse()
+        used, ref = self._used, self._ref
+        for block_id in ids:
+            used[block_id] = True
+            ref[block_id] = 1
+        return ids
+
+    def release(self, block_ids: list[int]) -> None:
+        """Return blocks with ref count 0 to the free list, in order (the last one is handed
+        out first). Raises `ConfigError` (nothing released) if one is free or referenced."""
+        used, ref = self._used, self._ref
+        for block_id in block_ids:
+            if ref[block_id] or not used[block_id]:
+                self._check_used(block_id)
+                raise ConfigError(f"cannot release block {block_id}: ref count is "
+                                  f"{ref[block_id]}, expected 0")
+        for block_id in block_ids:
+            used[block_id] = False
+        self._free.extend(block_ids)
+
+    def incref_all(self, block_ids: Any) -> None:
+        """Add one reference to each block (the blocks must be handed out)."""
+        used, ref = self._used, self._ref
+        for block_id in block_ids:
+            if not used[block_id]:
+                self._check_used(block_id)
+        for block_id in block_ids:
+            ref[block_id] += 1
+
+    def decref_all(self, block_ids: Any) -> None:
+        """Drop one reference from each block (none is freed here). Raises `ConfigError`
+        (nothing changed) if a block is not referenced."""
+        ref = self._ref
+        for block_id in block_ids:
+            if ref[block_id] <= 0:
+                self._check_used(block_id)
+                raise ConfigError(f"block {block_id} has ref count 0; cannot release it again")
+        for block_id in block_ids:
+            ref[block_id] -= 1
+
+    # -- inspection --------------------------------------------------------------------------
+
+    def free_ids(self) -> list[int]:
+        """The free list (a copy; its last block is handed out next)."""
+        return list(self._free)
+
+    def ref_counts(self) -> list[int]:
+        """Ref count of every block, by id (a copy)."""
+        return list(self._ref)
+
+    def used_flags(self) -> list[bool]:
+        """Whether each block is handed out, by id (a copy)."""
+        return list(self._used)
+
     def _check_id(self, block_id: Any) -> None:
         if isinstance(block_id, bool) or not isinstance(block_id, int) or not (
             0 <= block_id < self.num_blocks

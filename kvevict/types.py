@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +22,6 @@ __all__ = [
     "Request",
     "RetentionHint",
     "as_token_array",
-    "note_sharer",
 ]
 
 #: The built-in workload classes. Any other non-empty string is accepted too (extensible).
@@ -174,6 +174,14 @@ class Request:
                     f"{', '.join(BLOCK_KINDS)}; got {bad[0]!r}"
                 )
             object.__setattr__(self, "block_kinds", kinds)
+        arrival = self.arrival
+        if isinstance(arrival, bool) or not isinstance(arrival, (int, float, np.integer,
+                                                                 np.floating)) or not (
+                0.0 <= arrival < math.inf):
+            raise ConfigError(
+                f"request {self.request_id!r}: arrival must be a finite clock time >= 0 "
+                f"(seconds), got {arrival!r}"
+            )
         if not isinstance(self.workload_class, str) or not self.workload_class:
             raise ConfigError(
                 f"request {self.request_id!r}: workload_class must be a non-empty string "
@@ -206,91 +214,124 @@ class Request:
 
 
 class BlockInfo:
-    """The metadata record of one cached block, as policies see it. Read-only to policies.
+    """The metadata record of one cached block, as policies see it.
 
-    The manager owns these records and updates them; a policy reads the properties below and
-    must not keep state in them. ``depth`` is the block's index in its sequence (block ``d``
-    holds tokens ``[d * block_size, (d + 1) * block_size)``).
+    The manager owns these records and keeps them current; every other layer, policies
+    included, only reads them (a policy keeps its own state in its own index, never in a
+    record). ``depth`` is the block's index in its sequence (block ``d`` holds tokens
+    ``[d * block_size, (d + 1) * block_size)``).
+
+    Attributes (all read-only outside the manager):
+        block_id: physical block id in the pool.
+        block_hash: chained content hash (the tree key).
+        parent_hash: the parent block's hash (`ROOT_HASH` for depth 0).
+        parent: the parent block's record, None at depth 0.
+        depth: block index in its sequence (0 = first).
+        tokens: token ids of the block (None for a request given as block hashes).
+        nbytes: KV bytes this block occupies.
+        tier: memory tier holding the block.
+        workload_class: workload class of the request that created the block.
+        session: session that created the block.
+        created: clock time the block was cached.
+        last_access: clock time of the last hit or release.
+        last_access_tick: the manager's event counter at the last hit or release; a strict
+            total order of accesses.
+        hit_count: prefix-cache hits on this block (decode appends are not hits).
+        last_hit_session: session of the most recent hit, or None if never hit.
+        ref_count: running sequences using it.
+        num_children: resident cached children; 0 means the block is a leaf.
+        retention: retention hint of the request that last used it, if any.
+        created_by: ``"prefill"`` or ``"decode"``: how the block's tokens were produced.
+        kind: ``"prompt"``, ``"context"`` or ``"output"`` (see `Request.block_kinds`).
     """
 
     # hot fields first, so that the few the manager reads and writes per block (eviction,
     # hit, release) share one or two cache lines of the record (a memory-bound hot path)
     __slots__ = (
-        "_ref_count",
-        "_num_children",
-        "_id",
-        "_hash",
-        "_parent",
-        "_depth",
-        "_last_access_tick",
-        "_last_access",
-        "_workload_class",
+        "ref_count",
+        "num_children",
+        "block_id",
+        "block_hash",
+        "parent_hash",
+        "parent",
+        "depth",
+        "last_access_tick",
+        "last_access",
+        "workload_class",
         "_sharer",
         "_shared",
         "_sharers",
-        "_hit_count",
-        "_last_hit_session",
+        "hit_count",
+        "last_hit_session",
         "__weakref__",
-        "_bytes",
-        "_created",
-        "_created_by",
-        "_kind",
-        "_retention",
-        "_session",
-        "_tier",
-        "_tokens",
+        "nbytes",
+        "created",
+        "created_by",
+        "kind",
+        "retention",
+        "session",
+        "tier",
+        "tokens",
     )
 
-    def __init__(self, block_id: int, block_hash: Any, parent: Any, depth: int,
+    def __init__(self, block_id: int, block_hash: Any, parent_hash: Any, depth: int,
                  tokens: np.ndarray | None, nbytes: int, workload_class: str, session: Any,
                  now: float, tick: int, retention: RetentionHint | None,
-                 created_by: str = "prefill", kind: str = "prompt") -> None:
-        self._id = block_id
-        self._hash = block_hash
-        self._parent = parent
-        self._depth = depth
-        self._tokens = tokens
-        self._bytes = nbytes
-        self._tier = "device"
-        self._workload_class = workload_class
-        self._session = session
-        self._created = now
-        self._last_access = now
-        self._last_access_tick = tick
-        self._hit_count = 0
-        self._sharer = session  # the most recent sharer and its last use...
+                 created_by: str = "prefill", kind: str = "prompt",
+                 parent: BlockInfo | None = None) -> None:
+        self.block_id = block_id
+        self.block_hash = block_hash
+        self.parent_hash = parent_hash
+        self.parent = parent
+        self.depth = depth
+        self.tokens = tokens
+        self.nbytes = nbytes
+        self.tier = "device"
+        self.workload_class = workload_class
+        self.session = session
+        self.created = now
+        self.last_access = now
+        self.last_access_tick = tick
+        self.hit_count = 0
+        # The sessions that used the block, in order of last use, are ``_sharers`` (the
+        # earlier ones, None until a second session uses the block) followed by ``_sharer``
+        # (the most recent, last used at ``_shared``): a hit by the same session as the last
+        # one is then a single store. ``_sharers`` holds up to SHARERS_SLACK sessions before
+        # it is cut back to the MAX_SHARERS most recent; only the most recent MAX_SHARERS show.
+        self._sharer = session
         self._shared = now
-        self._sharers: dict[Any, float] | None = None  # ...and the earlier ones (or None)
-        self._ref_count = 0
-        self._retention = retention
-        self._num_children = 0
-        self._created_by = created_by
-        self._last_hit_session = None
-        self._kind = kind
+        self._sharers: dict[Any, float] | None = None
+        self.ref_count = 0
+        self.retention = retention
+        self.num_children = 0
+        self.created_by = created_by
+        self.last_hit_session = None
+        self.kind = kind
 
-    block_id = property(lambda self: self._id, doc="Physical block id in the pool.")
-    block_hash = property(lambda self: self._hash, doc="Chained content hash (the tree key).")
-    parent_hash = property(lambda self: self._parent, doc="Parent block's hash, None at root.")
-    depth = property(lambda self: self._depth, doc="Block index in its sequence (0 = first).")
-    tokens = property(lambda self: self._tokens, doc="Token ids of the block (None if hashed).")
-    nbytes = property(lambda self: self._bytes, doc="KV bytes this block occupies.")
-    tier = property(lambda self: self._tier, doc="Memory tier holding the block.")
-    workload_class = property(lambda self: self._workload_class,
-                              doc="Workload class of the request that created the block.")
-    session = property(lambda self: self._session, doc="Session that created the block.")
-    created = property(lambda self: self._created, doc="Clock time the block was cached.")
-    last_access = property(lambda self: self._last_access,
-                           doc="Clock time of the last hit or release.")
-    last_access_tick = property(lambda self: self._last_access_tick,
-                                doc="Manager event counter at the last hit or release; "
-                                    "a strict total order of accesses.")
-    hit_count = property(lambda self: self._hit_count,
-                         doc="Prefix-cache hits on this block (decode appends are not hits).")
-    # The sessions that used the block, in order of last use, are ``_sharers`` (the earlier
-    # ones, None until a second session uses the block) followed by ``_sharer`` (the most recent,
-    # last used at ``_shared``): a hit by the same session as the last one is then a single
-    # store (`note_sharer`). ``_sharers`` holds up to SHARERS_SLACK sessions before it is cut
-    # back to the MAX_SHARERS most recent; only the most recent MAX_SHARERS show.
+    def note_hit(self, now: float, tick: int, session: Any,
+                 retention: RetentionHint | None) -> None:
+        """Record a prefix-cache hit by ``session`` at ``now`` (the manager's hit path)."""
+        self.last_access = now
+        self.last_access_tick = tick
+        self.hit_count += 1
+        self.last_hit_session = session
+        if retention is not None:
+            self.retention = retention
+        self.note_sharer(session, now)
+
+    def note_sharer(self, session: Any, now: float) -> None:
+        """Record that ``session`` used the block at ``now``."""
+        if self._sharer != session:
+            earlier = self._sharers
+            if earlier is None:
+                self._sharers = {self._sharer: self._shared}
+            else:
+                earlier.pop(session, None)  # it becomes the most recent
+                earlier[self._sharer] = self._shared
+                if len(earlier) >= SHARERS_SLACK:  # keep the most recent only, amortized O(1)
+                    self._sharers = dict(list(earlier.items())[-MAX_SHARERS:])
+            self._sharer = session
+        self._shared = now
 
     @property
     def sharers(self) -> dict[Any, float]:
@@ -310,39 +351,18 @@ class BlockInfo:
         earlier = self._sharers
         return 1 if earlier is None else min(len(earlier) + 1, MAX_SHARERS)
 
-    ref_count = property(lambda self: self._ref_count, doc="Running sequences using it.")
-    retention = property(lambda self: self._retention,
-                         doc="Retention hint of the request that last used it, if any.")
-    num_children = property(lambda self: self._num_children,
-                            doc="Resident cached children; 0 means the block is a leaf.")
-    created_by = property(lambda self: self._created_by,
-                          doc="'prefill' or 'decode': how the block's tokens were produced.")
-    kind = property(lambda self: self._kind,
-                    doc="'prompt', 'context' or 'output' (see Request.block_kinds).")
-    last_hit_session = property(lambda self: self._last_hit_session,
-                                doc="Session of the most recent hit, or None if never hit.")
+    @property
+    def num_remembered_sharers(self) -> int:
+        """Sessions the record holds right now (bounded by SHARERS_SLACK: memory)."""
+        earlier = self._sharers
+        return 1 if earlier is None else len(earlier) + 1
 
     def __repr__(self) -> str:
         return (
-            f"BlockInfo(id={self._id}, depth={self._depth}, class={self._workload_class!r}, "
-            f"session={self._session!r}, ref={self._ref_count}, hits={self._hit_count}, "
-            f"last_access={self._last_access})"
+            f"BlockInfo(id={self.block_id}, depth={self.depth}, "
+            f"class={self.workload_class!r}, session={self.session!r}, ref={self.ref_count}, "
+            f"hits={self.hit_count}, last_access={self.last_access})"
         )
-
-
-def note_sharer(block: BlockInfo, session: Any, now: float) -> None:
-    """Record that ``session`` used ``block`` at ``now`` (the manager's hit path)."""
-    if block._sharer != session:
-        earlier = block._sharers
-        if earlier is None:
-            block._sharers = {block._sharer: block._shared}
-        else:
-            earlier.pop(session, None)  # it becomes the most recent
-            earlier[block._sharer] = block._shared
-            if len(earlier) >= SHARERS_SLACK:  # keep the most recent only, amortized O(1)
-                block._sharers = dict(list(earlier.items())[-MAX_SHARERS:])
-        block._sharer = session
-    block._shared = now
 
 
 class ManualClock:

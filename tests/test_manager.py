@@ -798,17 +798,17 @@ def test_a_popular_block_remembers_only_the_most_recent_sharers(clock):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 9) | st.integers(0, 400), min_size=1, max_size=600))
 def test_sharers_equal_a_last_use_ordered_record(sessions):
-    """`note_sharer` keeps the most recent sharer apart from the earlier ones (a repeat hit by
-    the same session is one store); what `sharers` and `num_sharers` show equals a plain
+    """`BlockInfo.note_sharer` keeps the most recent sharer apart from the earlier ones (a
+    repeat hit by the same session is one store); what `sharers` and `num_sharers` show equals a plain
     record of every session in order of last use, cut to the MAX_SHARERS most recent."""
     from collections import OrderedDict
 
-    from kvevict.types import MAX_SHARERS, BlockInfo, note_sharer
+    from kvevict.types import MAX_SHARERS, BlockInfo
 
     block = BlockInfo(0, 1, 0, 0, None, 0, "chat", sessions[0], 0.0, 0, None)
     model = OrderedDict([(sessions[0], 0.0)])
     for t, session in enumerate(sessions[1:], start=1):
-        note_sharer(block, session, float(t))
+        block.note_sharer(session, float(t))
         model.pop(session, None)
         model[session] = float(t)
         expected = dict(list(model.items())[-MAX_SHARERS:])
@@ -818,15 +818,15 @@ def test_sharers_equal_a_last_use_ordered_record(sessions):
 
 
 def test_sharers_are_cut_back_to_the_most_recent_in_order():
-    from kvevict.types import MAX_SHARERS, SHARERS_SLACK, BlockInfo, note_sharer
+    from kvevict.types import MAX_SHARERS, SHARERS_SLACK, BlockInfo
 
     block = BlockInfo(0, 1, 0, 0, None, 0, "chat", "s0", 0.0, 0, None)
     for i in range(1, 3 * SHARERS_SLACK):
-        note_sharer(block, f"s{i}", float(i))
-        assert len(block._sharers or ()) < SHARERS_SLACK  # bounded memory
+        block.note_sharer(f"s{i}", float(i))
+        assert block.num_remembered_sharers <= SHARERS_SLACK  # bounded memory
     last = 3 * SHARERS_SLACK - 1
     assert list(block.sharers) == [f"s{i}" for i in range(last - MAX_SHARERS + 1, last + 1)]
-    note_sharer(block, f"s{last - 5}", float(last + 1))  # an old sharer comes back: newest
+    block.note_sharer(f"s{last - 5}", float(last + 1))  # an old sharer comes back: newest
     assert list(block.sharers)[-1] == f"s{last - 5}"
     assert block.sharers[f"s{last - 5}"] == float(last + 1)
     assert block.num_sharers == MAX_SHARERS

@@ -401,19 +401,28 @@ def test_hash_block_rejects_a_parent_hash_out_of_range(parent):
 # -- PrefixTree --------------------------------------------------------------------------------
 
 
-def _info(block_id, block_hash, parent, depth):
-    return BlockInfo(block_id, block_hash, parent, depth, None, 0, "chat", "s", 0.0, block_id,
-                     None)
+def _info(block_id, block_hash, parent, depth, parent_record=None):
+    block = BlockInfo(block_id, block_hash, parent, depth, None, 0, "chat", "s", 0.0, block_id,
+                      None, parent=parent_record)
+    block.ref_count = 1  # cached while its sequence holds it
+    return block
 
 
 def _chain_tree():
-    """root -> a -> b, and a -> c (block ids 0, 1, 2)."""
+    """root -> a -> b, and a -> c (block ids 0, 1, 2), all held (ref 1)."""
     tree = PrefixTree()
-    a, b, c = _info(0, 11, ROOT_HASH, 0), _info(1, 22, 11, 1), _info(2, 33, 11, 1)
-    assert tree.insert(a) is None  # no parent
-    assert tree.insert(b) is a  # a just stopped being a leaf
-    assert tree.insert(c) is None  # a already had a child
+    a = _info(0, 11, ROOT_HASH, 0)
+    b, c = _info(1, 22, 11, 1, a), _info(2, 33, 11, 1, a)
+    for block in (a, b, c):
+        tree.insert(block)
     return tree, a, b, c
+
+
+def _release(tree, blocks):
+    """What the manager does when a sequence drops its last reference to ``blocks``."""
+    for block in blocks:
+        block.ref_count -= 1
+    return tree.unreferenced([b for b in blocks if not b.ref_count])
 
 
 def test_insert_counts_children():
@@ -423,10 +432,28 @@ def test_insert_counts_children():
     assert 11 in tree and 44 not in tree
     assert tree.get(22) is b and tree.get(44) is None
     assert [blk.block_id for blk in tree] == [0, 1, 2]
-    assert not PrefixTree.is_candidate(a)
-    assert PrefixTree.is_candidate(b)
-    b._ref_count = 1
-    assert not PrefixTree.is_candidate(b)
+    assert tree.num_evictable == 0 and dict(tree.candidates) == {}
+    assert not PrefixTree.is_candidate(b)  # held
+    b.ref_count = 0
+    assert PrefixTree.is_candidate(b) and not PrefixTree.is_candidate(a)
+
+
+def test_release_reports_the_leaves_that_became_candidates_in_order():
+    tree, a, b, c = _chain_tree()
+    assert _release(tree, [c, b, a]) == [c, b]  # a has cached children: no candidate
+    assert tree.num_evictable == 3 and list(tree.candidates) == [2, 1]
+    assert tree.candidate(1) is b and tree.candidate(0) is None
+    # a hit takes b and a again: only b left the candidate set
+    for block in (a, b):
+        block.ref_count += 1
+    assert tree.referenced([a, b]) == [b]
+    assert tree.num_evictable == 1 and list(tree.candidates) == [2]
+
+
+def test_candidates_is_a_read_only_view():
+    tree, *_ = _chain_tree()
+    with pytest.raises(TypeError):
+        tree.candidates[5] = None  # type: ignore[index]
 
 
 def test_longest_prefix_stops_at_the_first_miss():
@@ -440,6 +467,18 @@ def test_longest_prefix_stops_at_the_first_miss():
     assert tree.longest_prefix([]) == []
 
 
+def test_match_counts_unreferenced_hits_and_checks_the_chain():
+    tree, a, b, c = _chain_tree()
+    _release(tree, [b])
+    assert tree.match([11, 22, 99]) == ([a, b], 1)
+    with pytest.raises(ConfigError, match="block id 33 is cached under parent 11 but follows "
+                                          "22 here"):
+        tree.match([11, 22, 33], "r1")
+    with pytest.raises(ConfigError, match="request 'r2': block id 22 is cached but an earlier "
+                                          "id of this request is not"):
+        tree.match([11, 99, 22], "r2")
+
+
 def test_insert_requires_a_cached_parent():
     tree, _a, _b, _c = _chain_tree()
     orphan = _info(3, 55, 77, 2)
@@ -449,10 +488,19 @@ def test_insert_requires_a_cached_parent():
     assert 55 not in tree and len(tree) == 3
 
 
+def test_insert_requires_a_held_block():
+    tree, a, _b, _c = _chain_tree()
+    loose = _info(4, 66, 11, 1, a)
+    loose.ref_count = 0
+    with pytest.raises(ConfigError, match="must be held by a running sequence"):
+        tree.insert(loose)
+    assert 66 not in tree and a.num_children == 2
+
+
 def test_insert_rejects_a_hash_already_cached():
     tree, a, b, _c = _chain_tree()
     with pytest.raises(ConfigError, match="block hash 0x16 is already cached"):
-        tree.insert(_info(5, 22, 11, 1))
+        tree.insert(_info(5, 22, 11, 1, a))
     assert tree.get(22) is b and a.num_children == 2
 
 
@@ -463,16 +511,26 @@ def test_insert_rejects_a_duplicate_string_hash_with_config_error():
         tree.insert(_info(1, "h0", ROOT_HASH, 0))
 
 
-def test_remove_only_leaves_and_report_new_leaf_parent():
+def test_evict_only_candidates_and_report_the_parent_that_became_one():
     tree, a, b, c = _chain_tree()
-    tree.candidates = {1: b, 2: c}
-    with pytest.raises(ConfigError, match="block 0 has 2 cached children; only leaves can be "
-                                          "removed"):
-        tree.remove(a)
+    _release(tree, [c, b, a])
+    with pytest.raises(ConfigError, match="block 0 is not a candidate"):
+        tree.evict(a)
     assert 11 in tree
-    assert tree.remove(b) is None  # a still has c
+    assert tree.evict(b) is None  # a still has c
     assert a.num_children == 1 and 22 not in tree and 1 not in tree.candidates
-    assert tree.remove(c) is a  # a just became a leaf
-    assert a.num_children == 0 and tree.candidates == {}
-    assert tree.remove(a) is None
-    assert len(tree) == 0
+    assert tree.evict(c) is a  # a just became a leaf, with ref 0: a candidate
+    assert a.num_children == 0 and list(tree.candidates) == [0]
+    assert tree.evict(a) is None
+    assert len(tree) == 0 and tree.num_evictable == 0
+
+
+def test_discard_undoes_an_insert():
+    tree, a, b, c = _chain_tree()
+    d = _info(3, 44, 22, 2, b)
+    tree.insert(d)
+    assert b.num_children == 1
+    tree.discard(d)
+    assert 44 not in tree and b.num_children == 0
+    with pytest.raises(ConfigError, match="block 0 is not a cached leaf"):
+        tree.discard(a)

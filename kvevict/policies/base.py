@@ -1,31 +1,39 @@
 """The residency `Policy` protocol, the `ScoredPolicy` base and the policy registry.
 
-The manager owns all cache state; a policy observes events and ranks candidates. Every event
-carries the block's read-only `BlockInfo` and the current clock time ``now``:
+The manager owns all cache state; a policy observes events and ranks candidates. Block events
+carry the block's read-only `BlockInfo` (its ``parent`` record too) and the clock time
+``now``; request events carry the `Request`:
 
-- ``on_insert``: a full block became cached.
-- ``on_hit``: a prefix lookup reused it (decode appends are not hits).
-- ``on_candidate`` / ``on_uncandidate``: it entered / left the candidate set (cached, ref
-  count 0, leaf of the prefix tree).
-- ``on_evict``: the manager evicted it (it also leaves the candidate set; no separate
-  ``on_uncandidate`` is sent). Sent for every evicted block, including an explicitly pinned
-  one the policy was never offered (evicted only when no other candidate existed).
+| event | when | default |
+|---|---|---|
+| ``bind(block_size)`` | once, when a manager takes the policy | stores ``manager_block_size`` |
+| ``on_begin(request, hits, new, now)`` | a request began: its hits, the blocks it cached | no-op |
+| ``on_insert(block, now)`` | a full block became cached (in use, no candidate yet) | no-op |
+| ``on_hit(block, now)`` | a prefix lookup reused it (decode appends are not hits) | no-op |
+| ``on_candidate(block, now)`` | it entered the candidate set (cached, ref 0, leaf) | required |
+| ``on_uncandidate(block, now)`` | it left the candidate set without being evicted | required |
+| ``on_evict(block, now)`` | the manager evicts it (no separate ``on_uncandidate``) | required |
+| ``victim(now)`` | name one current candidate to evict (a peek), or None if none | required |
+| ``on_finish(request, blocks, now)`` | a request finished: the cached blocks it held | no-op |
 
-``victim(now)`` names one current candidate by block id, without removing it (a peek); the
-manager evicts it and then sends ``on_evict``. It returns None only when the policy holds no
-candidate. A victim that is not a candidate makes the manager raise `PolicyError`.
+``on_evict`` is sent for every evicted block, including a pinned one the policy was never
+offered (evicted only when no other candidate existed). A victim that is not a candidate
+makes the manager raise `PolicyError`. An event that raises must leave the policy as it was;
+the manager then raises `PolicyError` naming the policy, the event and the block, and stays
+consistent (see `kvevict.manager`).
 """
 
 from __future__ import annotations
 
 import abc
-import heapq
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+from sortedcontainers import SortedList
+
 from kvevict.errors import ConfigError
-from kvevict.types import BlockInfo
+from kvevict.types import BlockInfo, Request
 
 __all__ = [
     "Policy",
@@ -45,11 +53,30 @@ class Policy(abc.ABC):
     #: Registry name, set by `register_policy`.
     name: ClassVar[str] = ""
 
+    #: Tokens per block of the manager this policy serves (set by `bind`; None before).
+    manager_block_size: int | None = None
+
+    def bind(self, block_size: int) -> None:
+        """A manager with blocks of ``block_size`` tokens took this policy."""
+        if self.manager_block_size is not None and self.manager_block_size != block_size:
+            raise ConfigError(f"{self!r} already serves blocks of {self.manager_block_size} "
+                              f"tokens; use a fresh policy for blocks of {block_size}")
+        self.manager_block_size = block_size
+
+    def on_begin(self, request: Request, hits: Sequence[BlockInfo],
+                 new: Sequence[BlockInfo], now: float) -> None:
+        """``request`` began: ``hits`` are its cached prefix (``len(hits) * block_size``
+        tokens), ``new`` the blocks it cached (its first prefill chunk's)."""
+
     def on_insert(self, block: BlockInfo, now: float) -> None:
         """A full block became cached (it is in use, not yet a candidate)."""
 
     def on_hit(self, block: BlockInfo, now: float) -> None:
         """A prefix lookup reused ``block``."""
+
+    def on_finish(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
+        """``request`` finished; ``blocks`` are the cached blocks it held, in order (empty if
+        it was preempted)."""
 
     @abc.abstractmethod
     def on_candidate(self, block: BlockInfo, now: float) -> None:
@@ -78,10 +105,11 @@ class ScoredPolicy(Policy):
     at one instant loses its tail before its head.
 
     When the score does not depend on ``now`` (the default, ``time_dependent = False``) it is
-    computed once when the block becomes a candidate and kept in a heap: ``victim`` costs
-    O(log n) amortized. A subclass whose score changes with time while the block waits sets
-    ``time_dependent = True``; ``victim`` then rescans every candidate (O(n)), which is fine
-    for experiments and what a dedicated index (see the market policy) avoids.
+    computed once when the block becomes a candidate and kept in an ordered index
+    (`sortedcontainers.SortedList`): each event costs O(log n). A subclass whose score changes
+    with time while the block waits sets ``time_dependent = True``; ``victim`` then rescans
+    every candidate (O(n)), which is fine for experiments and what a dedicated index (see the
+    market policy) avoids.
 
     A complete policy::
 
@@ -93,7 +121,7 @@ class ScoredPolicy(Policy):
     time_dependent: ClassVar[bool] = False
 
     def __init__(self) -> None:
-        self._heap: list[tuple[Any, int, int]] = []
+        self._order = SortedList()  # (score, last access tick, block id), lowest first
         self._keys: dict[int, tuple[Any, int, int]] = {}
         self._blocks: dict[int, BlockInfo] = {}
 
@@ -107,11 +135,8 @@ class ScoredPolicy(Policy):
             self._blocks[block_id] = block
             return
         key = (self.score(block, now), block.last_access_tick, block_id)
+        self._order.add(key)
         self._keys[block_id] = key
-        heapq.heappush(self._heap, key)
-        if len(self._heap) > 2 * len(self._keys) + 64:  # drop stale entries
-            self._heap = list(self._keys.values())
-            heapq.heapify(self._heap)
 
     def on_uncandidate(self, block: BlockInfo, now: float) -> None:
         self._forget(block.block_id)
@@ -122,8 +147,10 @@ class ScoredPolicy(Policy):
     def _forget(self, block_id: int) -> None:
         if self.time_dependent:
             self._blocks.pop(block_id, None)
-        else:
-            self._keys.pop(block_id, None)
+            return
+        key = self._keys.pop(block_id, None)
+        if key is not None:
+            self._order.remove(key)
 
     def victim(self, now: float) -> int | None:
         if self.time_dependent:
@@ -135,13 +162,8 @@ class ScoredPolicy(Policy):
                 key=lambda b: (score(b, now), b.last_access_tick, b.block_id),
             )
             return best.block_id
-        heap, keys = self._heap, self._keys
-        while heap:
-            key = heap[0]
-            if keys.get(key[2]) is key:
-                return key[2]
-            heapq.heappop(heap)
-        return None
+        order = self._order
+        return order[0][2] if order else None
 
     def __len__(self) -> int:
         return len(self._blocks) if self.time_dependent else len(self._keys)

@@ -47,26 +47,26 @@ class LRU(ScoredPolicy):
         return block.last_access
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
-        tick = block._last_access_tick
+        tick = block.last_access_tick
         queue = self._queue
         if tick > self._newest:
-            queue[block._id] = tick
+            queue[block.block_id] = tick
             self._newest = tick
         elif not queue:
-            queue[block._id] = tick
+            queue[block.block_id] = tick
             self._newest = tick  # the queue's last entry now
         elif tick < queue[next(iter(queue))]:
             # older than every queued block: its front (the parent of an evicted block,
             # released with it, goes first this way, with no heap work)
-            queue[block._id] = tick
-            queue.move_to_end(block._id, last=False)
+            queue[block.block_id] = tick
+            queue.move_to_end(block.block_id, last=False)
         else:
-            self._late_ticks[block._id] = tick
-            heapq.heappush(self._late, (tick, block._id))
+            self._late_ticks[block.block_id] = tick
+            heapq.heappush(self._late, (tick, block.block_id))
 
     def on_evict(self, block: BlockInfo, now: float) -> None:
-        if self._queue.pop(block._id, None) is None:
-            self._late_ticks.pop(block._id, None)
+        if self._queue.pop(block.block_id, None) is None:
+            self._late_ticks.pop(block.block_id, None)
 
     on_uncandidate = on_evict
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from kvevict.errors import ConfigError
 from kvevict.policies.base import Policy, make_policy, register_policy
-from kvevict.types import BlockInfo
+from kvevict.types import BlockInfo, Request
 
 __all__ = ["RefcountPinned"]
 
@@ -59,6 +60,17 @@ class RefcountPinned(Policy):
             times = sorted(block.sharers.values(), reverse=True)
             until = max(until, times[self.min_sharers - 1] + self.window)
         return until
+
+    def bind(self, block_size: int) -> None:
+        super().bind(block_size)
+        self.inner.bind(block_size)
+
+    def on_begin(self, request: Request, hits: Sequence[BlockInfo],
+                 new: Sequence[BlockInfo], now: float) -> None:
+        self.inner.on_begin(request, hits, new, now)
+
+    def on_finish(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
+        self.inner.on_finish(request, blocks, now)
 
     def on_insert(self, block: BlockInfo, now: float) -> None:
         self.inner.on_insert(block, now)
