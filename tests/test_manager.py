@@ -799,8 +799,8 @@ def test_a_popular_block_remembers_only_the_most_recent_sharers(clock):
 @given(st.lists(st.integers(0, 9) | st.integers(0, 400), min_size=1, max_size=600))
 def test_sharers_equal_a_last_use_ordered_record(sessions):
     """`BlockInfo.note_sharer` keeps the most recent sharer apart from the earlier ones (a
-    repeat hit by the same session is one store); what `sharers` and `num_sharers` show equals a plain
-    record of every session in order of last use, cut to the MAX_SHARERS most recent."""
+    repeat hit by the same session is one store); what `sharers` and `num_sharers` show equals a
+    plain record of every session in order of last use, cut to the MAX_SHARERS most recent."""
     from collections import OrderedDict
 
     from kvevict.types import MAX_SHARERS, BlockInfo
