@@ -3,7 +3,10 @@
 Both replay the same precomputed stream (`request_stream.make_stream`: multi-turn chat sessions
 with shared system prompts, an 8k-block metadata-only pool under pressure) through
 ``begin`` / ``append`` / ``finish``. The baseline is `vllm_lru.VllmLRUBlockManager` (vLLM v1's
-doubly linked free queue plus a hash map). Target: kvevict-LRU <= 2x the baseline's time.
+doubly linked free queue plus a hash map), which has none of kvevict's semantics (no leaf-only
+eviction, no block records, no policy protocol): the ratio tracks what those cost. Round 2's
+check (issue 11): kvevict-LRU through the one protocol-only eviction loop stays within 10% of
+the ratio the inlined loops had (3.9-4.1x at 100k requests), i.e. at most 4.5x.
 
 As pytest-benchmark tests (one table, group ``manager-vs-vllm-lru``)::
 
@@ -37,7 +40,6 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lru_floor import LRUFloor
 from request_stream import APPEND, BEGIN, FINISH, RequestStream, StreamConfig, make_stream
 from vllm_lru import VllmLRUBlockManager
 
@@ -55,10 +57,6 @@ cpu_time = time.process_time
 
 def new_baseline(stream: RequestStream) -> VllmLRUBlockManager:
     return VllmLRUBlockManager(stream.config.num_blocks, stream.config.block_size)
-
-
-def new_floor(stream: RequestStream) -> LRUFloor:
-    return LRUFloor(stream.config.num_blocks, stream.config.block_size)
 
 
 def new_kvevict(stream: RequestStream, policy: str) -> KVCacheManager:
@@ -79,8 +77,7 @@ def replay_baseline(manager: VllmLRUBlockManager, stream: RequestStream
     return manager
 
 
-def replay_kvevict(manager: KVCacheManager | LRUFloor, stream: RequestStream
-                   ) -> KVCacheManager | LRUFloor:
+def replay_kvevict(manager: KVCacheManager, stream: RequestStream) -> KVCacheManager:
     begin, append, finish = manager.begin, manager.append, manager.finish
     clock = manager.clock
     for kind, arg, n, t in stream.ops:
@@ -107,7 +104,6 @@ def get_stream(num_requests: int, seed: int = 0) -> RequestStream:
 
 IMPLEMENTATIONS: dict[str, tuple[Callable, Callable]] = {
     "vllm-lru (baseline)": (new_baseline, replay_baseline),
-    "lru-floor": (new_floor, replay_kvevict),  # it reads the time from ``clock.now`` too
     **{f"kvevict-{p}": ((lambda s, p=p: new_kvevict(s, p)), replay_kvevict) for p in POLICIES},
 }
 
@@ -133,14 +129,6 @@ def test_same_hits() -> None:
     assert stats.evictions > stream.config.num_blocks  # the pool turned over
     assert abs(stats.block_hit_ratio - baseline.block_hit_ratio) <= 0.01
     assert abs(stats.hit_ratio - baseline.hit_ratio) <= 0.01
-    floor = replay_kvevict(new_floor(stream), stream)  # kvevict's semantics, no API: identical
-    assert (floor.block_hits, floor.prefix_cache_hits, floor.evictions) == (
-        stats.block_hits, stats.prefix_cache_hits, stats.evictions)
-    assert floor.evictions_by_class == stats.evictions_by_class
-    live = {b.block_id: (b.block_hash, b.last_access_tick, b.hit_count, b.sharers)
-            for b in kv.tree}
-    assert {b._id: (b._hash, b._last_access_tick, b._hit_count, b.sharers)
-            for b in floor.cached.values()} == live
 
 
 def test_victim_selection_is_sublinear() -> None:
@@ -170,11 +158,6 @@ def _bench(benchmark, name: str) -> None:
 @pytest.mark.benchmark(group=GROUP)
 def test_baseline_vllm_lru(benchmark) -> None:
     _bench(benchmark, "vllm-lru (baseline)")
-
-
-@pytest.mark.benchmark(group=GROUP)
-def test_lru_floor(benchmark) -> None:
-    _bench(benchmark, "lru-floor")
 
 
 @pytest.mark.benchmark(group=GROUP)
@@ -233,9 +216,6 @@ def time_evictions(num_candidates: int, evict: int = 2_000, rounds: int = 3
         if isinstance(manager, KVCacheManager):
             assert manager.num_candidates == total
             evict_now = lambda manager=manager: manager.evict(evict)  # noqa: E731
-        elif isinstance(manager, LRUFloor):
-            assert len(manager.candidates) == total
-            evict_now = lambda manager=manager: manager._evict(evict)  # noqa: E731
         else:
             pop = manager._get_new_block
             evict_now = lambda pop=pop: [pop() for _ in range(evict)]  # noqa: E731
@@ -291,10 +271,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<22}{seconds:>9.3f}{seconds / stream.num_requests * 1e6:>12.2f}"
               f"{seconds / stream.num_block_slots * 1e6:>10.3f}{seconds / base:>12.2f}x"
               f"{stats.block_hit_ratio:>12.4f}{stats.evictions:>11}")
-    floor = best["lru-floor"] / base
-    print(f"lru-floor / vllm-lru = {floor:.2f}x: kvevict-LRU's per-block work in the leanest pure "
-          f"Python (lru_floor.py), so kvevict-lru / lru-floor = "
-          f"{best['kvevict-lru'] / best['lru-floor']:.2f}x is the manager's structure")
     hit_diff = (counters(managers["kvevict-lru"]).block_hit_ratio
                 - counters(managers["vllm-lru (baseline)"]).block_hit_ratio)
     print(f"block hit ratio kvevict-lru - vllm-lru = {hit_diff:+.4f} (same stream; must be "
@@ -302,8 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     if abs(hit_diff) > 0.01:
         sys.exit("the two LRU implementations disagree on the hits: a bug in one of them")
     ratio = best["kvevict-lru"] / base
-    print(f"kvevict-lru / vllm-lru = {ratio:.2f}x (target <= 2x): "
-          f"{'OK' if ratio <= 2 else 'ABOVE TARGET'}")
+    print(f"kvevict-lru / vllm-lru = {ratio:.2f}x (check: <= 4.5x, within 10% of the inlined "
+          f"loops' 3.9-4.1x): {'OK' if ratio <= 4.5 else 'ABOVE'}")
 
     if not args.no_scaling:
         print("\nvictim selection: seconds per eviction with N cached one-block candidates")

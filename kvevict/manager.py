@@ -218,6 +218,12 @@ class KVCacheManager:
         self._on_begin = _overrides(self.policy, Policy, "on_begin")
         self._on_finish = _overrides(self.policy, Policy, "on_finish")
         self._on_admitted = _overrides(self.admission, Admission, "on_admitted")
+        # what the eviction loop calls, bound once (it runs for every block a request needs)
+        self._victim, self._on_evict = self.policy.victim, self.policy.on_evict
+        self._on_candidate = self.policy.on_candidate
+        self._candidates, self._evict_from_tree = self.tree.candidates, self.tree.evict
+        self._withheld, self._refused = self.pins.withheld, self.pins.refused
+        self._pinned = self.pins.pinned
 
     # -- time ------------------------------------------------------------------------------
 
@@ -439,9 +445,18 @@ class KVCacheManager:
         session, retention = request.session_id, request.retention
         on_hit = self._on_hit
         tick = self._tick
-        for block in hit:
+        for block in hit:  # the hot path of every lookup
             tick += 1
-            block.note_hit(now, tick, session, retention)
+            block.last_access = now
+            block.last_access_tick = tick
+            block.hit_count += 1
+            block.last_hit_session = session
+            if retention is not None:
+                block.retention = retention
+            if block.last_sharer != session:
+                block.note_sharer(session, now)
+            else:
+                block.last_shared = now
             if on_hit is not None:
                 self._tick = tick
                 try:
@@ -735,11 +750,9 @@ class KVCacheManager:
             error = self._offer(pins.expire(now), now)
             if error is not None:
                 raise error
-        candidates = self.tree.candidates
-        evict_from_tree = self.tree.evict
-        policy = self.policy
-        victim, on_evict, on_candidate = policy.victim, policy.on_evict, policy.on_candidate
-        withheld, refused, pinned = pins.withheld, pins.refused, pins.pinned
+        candidates, evict_from_tree = self._candidates, self._evict_from_tree
+        victim, on_evict, on_candidate = self._victim, self._on_evict, self._on_candidate
+        withheld, refused, pinned = self._withheld, self._refused, self._pinned
         listeners = self._eviction_listeners
         records = self._records
         by_class = self.stats.evictions_by_class

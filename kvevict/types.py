@@ -238,6 +238,8 @@ class BlockInfo:
             total order of accesses.
         hit_count: prefix-cache hits on this block (decode appends are not hits).
         last_hit_session: session of the most recent hit, or None if never hit.
+        last_sharer: the session that used the block last (it created or hit it), and
+        last_shared: when; `sharers` lists every remembered one.
         ref_count: running sequences using it.
         num_children: resident cached children; 0 means the block is a leaf.
         retention: retention hint of the request that last used it, if any.
@@ -258,8 +260,8 @@ class BlockInfo:
         "last_access_tick",
         "last_access",
         "workload_class",
-        "_sharer",
-        "_shared",
+        "last_sharer",
+        "last_shared",
         "_sharers",
         "hit_count",
         "last_hit_session",
@@ -294,12 +296,13 @@ class BlockInfo:
         self.last_access_tick = tick
         self.hit_count = 0
         # The sessions that used the block, in order of last use, are ``_sharers`` (the
-        # earlier ones, None until a second session uses the block) followed by ``_sharer``
-        # (the most recent, last used at ``_shared``): a hit by the same session as the last
-        # one is then a single store. ``_sharers`` holds up to SHARERS_SLACK sessions before
-        # it is cut back to the MAX_SHARERS most recent; only the most recent MAX_SHARERS show.
-        self._sharer = session
-        self._shared = now
+        # earlier ones, None until a second session uses the block) followed by
+        # ``last_sharer`` (the most recent, last used at ``last_shared``): a hit by the same
+        # session as the last one is then a single store. ``_sharers`` holds up to
+        # SHARERS_SLACK sessions before it is cut back to the MAX_SHARERS most recent; only the
+        # most recent MAX_SHARERS show.
+        self.last_sharer = session
+        self.last_shared = now
         self._sharers: dict[Any, float] | None = None
         self.ref_count = 0
         self.retention = retention
@@ -308,30 +311,19 @@ class BlockInfo:
         self.last_hit_session = None
         self.kind = kind
 
-    def note_hit(self, now: float, tick: int, session: Any,
-                 retention: RetentionHint | None) -> None:
-        """Record a prefix-cache hit by ``session`` at ``now`` (the manager's hit path)."""
-        self.last_access = now
-        self.last_access_tick = tick
-        self.hit_count += 1
-        self.last_hit_session = session
-        if retention is not None:
-            self.retention = retention
-        self.note_sharer(session, now)
-
     def note_sharer(self, session: Any, now: float) -> None:
         """Record that ``session`` used the block at ``now``."""
-        if self._sharer != session:
+        if self.last_sharer != session:
             earlier = self._sharers
             if earlier is None:
-                self._sharers = {self._sharer: self._shared}
+                self._sharers = {self.last_sharer: self.last_shared}
             else:
                 earlier.pop(session, None)  # it becomes the most recent
-                earlier[self._sharer] = self._shared
+                earlier[self.last_sharer] = self.last_shared
                 if len(earlier) >= SHARERS_SLACK:  # keep the most recent only, amortized O(1)
                     self._sharers = dict(list(earlier.items())[-MAX_SHARERS:])
-            self._sharer = session
-        self._shared = now
+            self.last_sharer = session
+        self.last_shared = now
 
     @property
     def sharers(self) -> dict[Any, float]:
@@ -339,9 +331,9 @@ class BlockInfo:
         MAX_SHARERS most recent)."""
         earlier = self._sharers
         if earlier is None:
-            return {self._sharer: self._shared}
+            return {self.last_sharer: self.last_shared}
         items = list(earlier.items())[1 - MAX_SHARERS:]  # with the latest: MAX_SHARERS
-        items.append((self._sharer, self._shared))
+        items.append((self.last_sharer, self.last_shared))
         return dict(items)
 
     @property
