@@ -365,7 +365,7 @@ class LlamaModel:
                                   f"{shape}")
         model = cls.__new__(cls)
         model.seed = None
-        model._load(config, weights, device)
+        cls._load(model, config, weights, device)  # the class initialising its own instance
         return model
 
     @classmethod
@@ -564,7 +564,6 @@ class LlamaModel:
         if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Sequence) or not seqs:
             raise ConfigError("seqs must be a non-empty list of (token_ids, start, block_table)")
         bs, num_blocks = pool.block_size, pool.num_blocks
-        used = pool._used  # read-only; the public is_used() per block is a hot-path cost
         prepared: list[tuple[torch.Tensor, int, list[int]]] = []
         for i, entry in enumerate(seqs):
             if not isinstance(entry, (tuple, list)) or len(entry) != 3:
@@ -587,7 +586,7 @@ class LlamaModel:
                 if type(b) is not int or not 0 <= b < num_blocks:
                     raise ConfigError(f"seqs[{i}] block id {b!r} is not an int in [0, "
                                       f"{num_blocks})")
-                if not used[b]:
+                if not pool.is_used(b):
                     raise ConfigError(f"seqs[{i}] block {b} is free (not allocated)")
             if len(set(table)) != len(table):
                 raise ConfigError(f"seqs[{i}] block_table repeats a block: {table}")

@@ -283,6 +283,14 @@ class WorkloadParams:
         """The trace for ``seed`` (same seed, same trace)."""
         return self._generate(np.random.default_rng(_check_seed(seed)))
 
+    def generate_from(self, rng: np.random.Generator) -> list[Request]:
+        """The trace drawn from ``rng`` (a numpy ``Generator``, advanced by the draw): what
+        `generate` does with ``default_rng(seed)``, for a caller that owns the stream, such
+        as one part of a mix."""
+        if not isinstance(rng, np.random.Generator):
+            raise ConfigError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+        return self._generate(rng)
+
     def _generate(self, rng: np.random.Generator) -> list[Request]:  # pragma: no cover
         raise NotImplementedError
 
@@ -645,7 +653,7 @@ class MixedParams(WorkloadParams):
             params = attrs.evolve(getattr(self, part), duration=self.duration,
                                   vocab_size=self.vocab_size, block_size=self.block_size,
                                   decode_seconds_per_token=self.decode_seconds_per_token)
-            for i, req in enumerate(params._generate(_child_rng(seed, k))):
+            for i, req in enumerate(params.generate_from(_child_rng(seed, k))):
                 merged.append((req.arrival, k, i, req))
         merged.sort(key=lambda t: t[:3])
         return [t[3] for t in merged]

@@ -23,6 +23,7 @@ are evicted first, and the mask handed to the model is remapped to the kept slot
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -114,25 +115,30 @@ class PagedCache(Cache):
         self._broken: str | None = None
         self._closed = False
         self._store: Any = None
+        self._on_close: Callable[[PagedCache], None] | None = None
         self.prompt_tokens = 0  #: SessionStore turns: tokens of the prompt
         self.reused_tokens = 0  #: SessionStore turns: prompt tokens read from the pool
 
-    @classmethod
-    def _for_session(cls, store: Any, seq_id: Any, prompt: list[int], resident: int,
-                     reuse: int) -> PagedCache:
-        """A one-row cache over a manager sequence that holds ``resident`` prompt tokens in
-        the pool, of which the first ``reuse`` are loaded (see `SessionStore.cache_for`)."""
-        cache = cls(store.model)
-        blocks = SessionBlocks(store.manager, seq_id, prompt, resident)
-        cache._blocks, cache._store = blocks, store
-        cache._batch = 1
-        cache.prompt_tokens, cache.reused_tokens = len(prompt), reuse
+    def start_turn(self, store: Any, seq_id: Any, prompt: list[int], resident: int,
+                   reuse: int, on_close: Callable[[PagedCache], None]) -> None:
+        """Make this new cache one row over a manager sequence of ``store`` that holds
+        ``resident`` prompt tokens in the pool, of which the first ``reuse`` are loaded.
+
+        Called by `SessionStore.cache_for` (use that); ``on_close(cache)`` runs once, when the
+        cache is closed. Raises `ConfigError` on a cache that already ran a forward or a turn.
+        """
+        if self._store is not None or self._batch is not None or self._closed:
+            raise ConfigError("start_turn needs a new PagedCache (SessionStore.cache_for "
+                              "builds one per turn)")
+        self._blocks = SessionBlocks(store.manager, seq_id, prompt, resident)
+        self._store, self._on_close = store, on_close
+        self._batch = 1
+        self.prompt_tokens, self.reused_tokens = len(prompt), reuse
         if reuse:
             table = store.manager.sequence(seq_id).block_table
-            for layer, (keys, values) in zip(cache._paged, gather_slots(store.pool, table, reuse)):
+            for layer, (keys, values) in zip(self._paged, gather_slots(store.pool, table, reuse)):
                 layer.load(keys, values)
-            cache._length = reuse
-        return cache
+            self._length = reuse
 
     # -- what the pool holds ---------------------------------------------------------------
 
@@ -140,6 +146,17 @@ class PagedCache(Cache):
     def pool(self) -> BlockPool | None:
         """The pool the paged layers write to (None until a private pool is first needed)."""
         return self._blocks.pool
+
+    @property
+    def store(self) -> Any:
+        """The `SessionStore` whose turn this cache is, or None for a standalone cache."""
+        return self._store
+
+    @property
+    def wants_queries(self) -> bool:
+        """Whether the token policy scores attention, so the attention hooks must capture
+        each forward's queries (`capture_queries`)."""
+        return self._wants_queries
 
     @property
     def block_tables(self) -> list[list[int]]:
@@ -162,10 +179,13 @@ class PagedCache(Cache):
         return all(layer.is_croppable for layer in self.layers
                    if not isinstance(layer, PagedLayer))
 
-    # -- forward bookkeeping (called from the hooks) ---------------------------------------
+    # -- forward bookkeeping (called from the hooks and the paged layers) ------------------
 
-    def _begin_forward(self, decoder: nn.Module, arguments: dict) -> Tensor | None:
-        """Open a forward; return a remapped 2-D attention mask when eviction needs one."""
+    def begin_forward(self, decoder: nn.Module, arguments: dict) -> Tensor | None:
+        """Open a forward; return a remapped 2-D attention mask when eviction needs one.
+
+        Called by the decoder's forward pre-hook (`hooks.py`) with the forward's arguments by
+        name."""
         if self._decoder() is not decoder:
             raise ConfigError("this PagedCache was built for another model; build one per model")
         if self._closed:
@@ -242,7 +262,9 @@ class PagedCache(Cache):
                               "is supported only on models whose layers are all full attention")
         return remapped
 
-    def _check_update(self, layer: PagedLayer, keys: Tensor, values: Tensor) -> Forward:
+    def check_update(self, layer: PagedLayer, keys: Tensor, values: Tensor) -> Forward:
+        """The forward in flight, once ``layer``'s new ``keys`` / ``values`` are checked
+        against it (called by `PagedLayer.update`); raises `ConfigError` otherwise."""
         fwd = self._forward
         if fwd is None:
             raise ConfigError("PagedCache.update was called outside a forward of the model it "
@@ -263,8 +285,9 @@ class PagedCache(Cache):
             raise ConfigError("PagedCache is for inference; run under torch.no_grad()")
         return fwd
 
-    def _end_forward(self) -> None:
-        """Close the forward: write its new slots through to the pool."""
+    def end_forward(self) -> None:
+        """Close the forward: write its new slots through to the pool (called by the
+        decoder's forward hook)."""
         fwd = self._forward
         if fwd is None:
             return
@@ -278,7 +301,7 @@ class PagedCache(Cache):
             raise ConfigError("a forward updated only some of the full-attention layers; "
                               "PagedCache needs every layer to see every token")
         stored = paged[0].stored
-        views = [(layer._k, layer._v) for layer in paged]
+        views = [(layer.keys, layer.values) for layer in paged]
         try:
             self._blocks.sync(views, fwd.dirty_from, stored, self._batch, fwd.token_ids)
         except BaseException:
@@ -299,16 +322,17 @@ class PagedCache(Cache):
         if self._broken:
             raise ConfigError(self._broken)
         for layer in self._paged:
-            layer.stored, layer.seen = fwd.stored, fwd.start
-            layer._refresh()
+            layer.rewind(fwd.stored, fwd.start)
         if isinstance(self._blocks, PrivateBlocks):  # blocks allocated for the failed forward
             if fwd.stored:
                 self._blocks.truncate(fwd.stored)
             else:
                 self._blocks.release()
 
-    def _capture_queries(self, module: nn.Module, hidden: Tensor,
-                         rope: tuple[Tensor, Tensor]) -> None:
+    def capture_queries(self, module: nn.Module, hidden: Tensor,
+                        rope: tuple[Tensor, Tensor]) -> None:
+        """Keep the queries an attention module computes from ``hidden`` in this forward
+        (called by the attention modules' pre-hooks when `wants_queries`)."""
         fwd = self._forward
         if fwd is None or self._attention_modules.get(module.layer_idx) is not module:
             return
@@ -316,8 +340,10 @@ class PagedCache(Cache):
         with torch.no_grad():
             fwd.queries[module.layer_idx] = project_queries(module, hidden, rope, count)
 
-    def _attention(self, layer: PagedLayer, fwd: Forward, keys: Tensor,
-                   valid: Tensor) -> Tensor:
+    def attention_scores(self, layer: PagedLayer, fwd: Forward, keys: Tensor,
+                         valid: Tensor) -> Tensor:
+        """Attention of ``layer``'s captured queries over ``keys`` (``valid`` slots only),
+        for a token policy that scores by attention (called by `PagedLayer.update`)."""
         queries = fwd.queries.pop(layer.layer_idx, None)
         if queries is None:
             raise ConfigError(f"no queries were captured for layer {layer.layer_idx}; the "
@@ -408,8 +434,8 @@ class PagedCache(Cache):
             return
         self._blocks.release()
         self._closed = True
-        if self._store is not None:
-            self._store._closed(self)
+        if self._on_close is not None:
+            self._on_close(self)
 
     def __enter__(self) -> PagedCache:
         return self

@@ -7,9 +7,9 @@ the last layer is done, to write the new slots through to the pool. Hooks on the
 (``model.base_model``) deliver that; they are installed once per model and ignore every cache
 that is not of the type they were installed for.
 
-The cache type implements ``_begin_forward(decoder, arguments) -> mask or None`` (a returned
-2-D mask replaces the forward's ``attention_mask``), ``_end_forward()`` and, for attention
-hooks, ``_wants_queries`` and ``_capture_queries(module, hidden_states, position_embeddings)``.
+The cache type implements ``begin_forward(decoder, arguments) -> mask or None`` (a returned
+2-D mask replaces the forward's ``attention_mask``), ``end_forward()`` and, for attention
+hooks, ``wants_queries`` and ``capture_queries(module, hidden_states, position_embeddings)``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _forward_pre_hook(cache_type: type, names: list[str], module: nn.Module, arg
         return None
     arguments = dict(zip(names, args))
     arguments.update(kwargs)
-    mask = cache._begin_forward(module, arguments)
+    mask = cache.begin_forward(module, arguments)
     if mask is None:
         return None
     position = names.index("attention_mask") if "attention_mask" in names else len(names)
@@ -58,15 +58,15 @@ def _forward_hook(cache_type: type, names: list[str], module: nn.Module, args: t
                   kwargs: dict, output: Any) -> None:
     cache = _cache_argument(names, args, kwargs)
     if isinstance(cache, cache_type):
-        cache._end_forward()
+        cache.end_forward()
 
 
 def _attention_pre_hook(cache_type: type, module: nn.Module, args: tuple, kwargs: dict) -> None:
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if isinstance(cache, cache_type) and cache._wants_queries:
+    if isinstance(cache, cache_type) and cache.wants_queries:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         rope = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
-        cache._capture_queries(module, hidden, rope)
+        cache.capture_queries(module, hidden, rope)
 
 
 def install_hooks(decoder: nn.Module, cache_type: type, *, attention: bool) -> None:

@@ -91,6 +91,12 @@ class PagedLayer(CacheLayerMixin):
         if self._k is not None:
             self.keys, self.values = self._k[:, :, :self.stored], self._v[:, :, :self.stored]
 
+    def rewind(self, stored: int, seen: int) -> None:
+        """Back to ``stored`` slots and logical length ``seen`` (an earlier state of this
+        layer: the cache undoing a forward that did not finish)."""
+        self.stored, self.seen = stored, seen
+        self._refresh()
+
     def _reserve(self, needed: int) -> None:
         """Grow the buffers (by doubling) to hold ``needed`` slots."""
         capacity = self._k.shape[2]
@@ -117,7 +123,7 @@ class PagedLayer(CacheLayerMixin):
         """Store this forward's keys and values ``[B, Hkv, q, D]``; return every stored slot's
         (the view attention reads). With a token policy, evict down to the budget after."""
         cache = self._cache
-        fwd = cache._check_update(self, key_states, value_states)
+        fwd = cache.check_update(self, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q, start = fwd.q, self.stored
@@ -145,7 +151,7 @@ class PagedLayer(CacheLayerMixin):
         positions, valid = self._pos[:, :length], self._valid[:, :length]
         attention = None
         if policy.needs_attention:
-            attention = cache._attention(self, fwd, keys, valid)
+            attention = cache.attention_scores(self, fwd, keys, valid)
         kept = policy.select(self.layer_idx, keys, values, positions, valid, attention=attention)
         batch = keys.shape[0]
         count = min(cache.budget, length)

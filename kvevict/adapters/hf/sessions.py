@@ -124,7 +124,8 @@ class SessionStore:
                           workload_class=workload_class, turn=turn, retention=retention)
         seq = self.manager.begin(request, max_new_tokens=0)
         reuse = min(seq.num_tokens, len(ids) - 1)
-        cache = PagedCache._for_session(self, seq.seq_id, ids, seq.num_tokens, reuse)
+        cache = PagedCache(self.model)
+        cache.start_turn(self, seq.seq_id, ids, seq.num_tokens, reuse, on_close=self._closed)
         self._turns[session_id] = turn + 1
         self._open[session_id] = cache
         self.prompt_tokens += len(ids)
@@ -133,7 +134,7 @@ class SessionStore:
 
     def finish(self, cache: PagedCache) -> None:
         """Commit a turn (same as ``cache.close()``)."""
-        if not isinstance(cache, PagedCache) or cache._store is not self:
+        if not isinstance(cache, PagedCache) or cache.store is not self:
             raise ConfigError("finish() takes a cache returned by this store's cache_for()")
         cache.close()
 
