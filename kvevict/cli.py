@@ -6,7 +6,7 @@ every policy at a default cache size, prints a table, and with ``--out DIR`` wri
 
 ``kvevict calibrate`` times the built-in engine (`kvevict.engine`) and fits the simulator's
 `CostModel` to it; ``kvevict engine-bench`` runs policies on the real engine, side by side
-with the simulator's prediction (`kvevict.engine.bench`).
+with the simulator's prediction (`kvevict.engine_bench`).
 
 User errors (bad names, malformed traces, a cache too small for one request) print one line
 and exit with status 2, without a traceback.
@@ -298,7 +298,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
 def engine_bench_command(args: argparse.Namespace) -> int:
     from kvevict import workloads
     from kvevict.cost import CostModel
-    from kvevict.engine.bench import format_report, run_bench, strip_answers
+    from kvevict.engine_bench import format_report, run_bench, strip_answers
     from kvevict.scheduler import SchedulerConfig
 
     policies = _policies(args.policies)

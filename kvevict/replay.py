@@ -100,8 +100,8 @@ def _build_policy(policy: PolicySpec, reqs: list[Request], times: list[float],
                 if -(-r.prompt_len // block_size) <= capacity_blocks]
         future = [r for r, _ in fits]
         future_times = [t for _, t in fits]
-    return build_policy(policy, requests=future, block_size=block_size,
-                        time_axis=future_times, extra_key=extra_key, **params)
+    return build_policy(policy, params, requests=future, block_size=block_size,
+                        time_axis=future_times, extra_key=extra_key)
 
 
 def _label(policy: PolicySpec) -> str:

@@ -14,7 +14,7 @@ simulator, the replay and the engine build every policy the same way; reports us
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvevict.errors import ConfigError
@@ -83,27 +83,31 @@ def online_first(names: Iterable[str]) -> list[str]:
     return [n for n in names if not is_offline(n)] + [n for n in names if is_offline(n)]
 
 
-def build_policy(spec: PolicySpec, *, requests: Sequence[Request] | None = None,
-                 block_size: int | None = None, time_axis: str | Sequence[float] = "index",
-                 extra_key: Any = None, **params: Any) -> Policy:
+def build_policy(spec: PolicySpec, params: Mapping[str, Any] | None = None, *,
+                 requests: Sequence[Request] | None = None, block_size: int | None = None,
+                 time_axis: str | Sequence[float] = "index", extra_key: Any = None) -> Policy:
     """The policy a run uses, from a name (with ``params``), an instance or a factory.
+
+    ``params`` is a mapping, not keywords, because a policy's own parameters may share a name
+    with this function's (the market policy takes a ``block_size`` too).
 
     Args:
         spec: a registered name, a `Policy` instance (returned as is) or a zero-argument
             factory returning a fresh `Policy`.
+        params: parameters of a policy given by name. An offline policy given parameters
+            is built from them as any other (its future among them), not from ``requests``.
         requests: the requests the run will begin, in that order. An offline policy given
             by name alone is built from them (its ``from_requests`` hook).
         block_size: tokens per block, to hash token-mode requests for an offline policy.
         time_axis: the clock value at which each of ``requests`` begins: ``"index"``,
             ``"arrival"`` (made strictly increasing) or one value per request.
         extra_key: the manager's ``extra_key``, for token-mode requests.
-        params: parameters of a policy given by name. An offline policy given parameters
-            is built from them as any other (its future among them), not from ``requests``.
 
     Raises:
         ConfigError: an unknown name or parameter, parameters with an instance or factory,
             or an offline policy by name alone without ``requests``.
     """
+    params = dict(params or {})
     if not isinstance(spec, str):
         if params:
             raise ConfigError(f"parameters ({', '.join(params)}) were given together with a "
