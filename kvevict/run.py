@@ -6,8 +6,8 @@ What they share sits here, below both, so neither imports the other:
 
 - `drive`: hand each request to the scheduler once the clock reaches its arrival, and step
   until every request is finished;
-- `collect`: assemble the finished run into a `SimResult` of per-request `RequestRecord` s
-  and run-level counters, with what an infinite cache would have hit
+- `collect`: assemble the finished run into a `SimResult`: per-request records
+  (`RequestRecord`), run-level counters and what an infinite cache would have hit
   (`infinite_cache_hits`);
 - `CostModelExecutor`: the executor that charges each step what a `CostModel` says it costs
   (the simulator runs on it; the engine prices its measured steps with it).
