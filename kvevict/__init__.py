@@ -32,10 +32,12 @@ from kvevict.policies import (
     make_policy,
     register_policy,
 )
+from kvevict.policies.registry import build_policy, is_offline
 from kvevict.pool import BlockPool
 from kvevict.prefix import PrefixTree, block_hashes, hash_block
+from kvevict.run import SimResult
 from kvevict.scheduler import Scheduler, SchedulerConfig
-from kvevict.sim import SimResult, simulate
+from kvevict.sim import simulate
 from kvevict.tokens import (
     H2O,
     KeyNorm,
@@ -96,8 +98,10 @@ __all__ = [
     "available_policies",
     "available_token_policies",
     "block_hashes",
+    "build_policy",
     "from_hf_config",
     "hash_block",
+    "is_offline",
     "make_policy",
     "make_token_policy",
     "register_policy",

@@ -6,7 +6,7 @@ every policy at a default cache size, prints a table, and with ``--out DIR`` wri
 
 ``kvevict calibrate`` times the built-in engine (`kvevict.engine`) and fits the simulator's
 `CostModel` to it; ``kvevict engine-bench`` runs policies on the real engine, side by side
-with the simulator's prediction (`kvevict.engine.bench`).
+with the simulator's prediction (`kvevict.engine_bench`).
 
 User errors (bad names, malformed traces, a cache too small for one request) print one line
 and exit with status 2, without a traceback.
@@ -298,7 +298,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
 def engine_bench_command(args: argparse.Namespace) -> int:
     from kvevict import workloads
     from kvevict.cost import CostModel
-    from kvevict.engine.bench import format_report, run_bench, strip_answers
+    from kvevict.engine_bench import format_report, run_bench, strip_answers
     from kvevict.scheduler import SchedulerConfig
 
     policies = _policies(args.policies)
@@ -410,13 +410,15 @@ class _Progress:
 
 def simulate_command(args: argparse.Namespace) -> int:
     from kvevict import report
+    from kvevict.policies.registry import is_offline
     from kvevict.scheduler import SchedulerConfig
     from kvevict.sim import simulate
 
     policies = _policies(args.policies)
-    if all(p == "belady" for p in policies):
+    if all(is_offline(p) for p in policies):
+        bound = "is the offline bound" if len(set(policies)) == 1 else "are offline bounds"
         raise ConfigError("--policies needs at least one online policy to choose from "
-                          "(belady is the offline bound)")
+                          f"({', '.join(policies)} {bound})")
     if args.block_size is not None and args.block_size <= 0:
         raise ConfigError(f"--block-size must be a positive int, got {args.block_size}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
@@ -483,16 +485,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     print(f"workload {workload}: {len(requests)} requests; model {layout.name}; cache "
           f"{capacity_desc}")
     print(report.format_table(summaries))
-    chosen = report.choose_policy(summaries)
-    online = [s for s in summaries if s["policy"] != "belady"]
-    fastest = min(online, key=lambda s: (s["ttft_p95"], s["policy"] != "lru", s["policy"]))
-    if chosen["ttft_p95"] <= fastest["ttft_p95"]:
-        why = f"lowest p95 TTFT {chosen['ttft_p95']:.3f} s"
-    else:
-        why = (f"p95 TTFT {chosen['ttft_p95']:.3f} s, a tie with the lowest ({fastest['policy']} "
-               f"{fastest['ttft_p95']:.3f} s), and fewer recomputed prefill tokens "
-               f"({chosen['recomputed_prefill_tokens']:,} vs "
-               f"{fastest['recomputed_prefill_tokens']:,})")
+    chosen, why = report.explain_choice(summaries)
     print(f"\nchosen: {chosen['policy']} ({why})")
     if args.out is not None:
         out: Path = args.out

@@ -12,8 +12,9 @@ Semantics (one `KVCacheManager` over a metadata-only `BlockPool` of ``capacity_b
 - the clock is set to the request's time before each request: its index (``time="index"``,
   the default) or its arrival, made strictly increasing (``time="arrival"``); see
   `kvevict.policies.belady.request_times`;
-- ``"belady"`` gets its future from the same requests on the same time axis, so it is the
-  exact furthest-next-use oracle of this replay;
+- an offline policy (``"belady"``) gets its future from the same requests on the same time
+  axis (`kvevict.policies.registry.build_policy`), so it is the exact furthest-next-use oracle
+  of this replay;
 - a request larger than the whole pool cannot run: its blocks count as misses, the cache is
   left as it was, and it is counted in ``rejected``.
 
@@ -27,21 +28,20 @@ import argparse
 import os
 import sys
 import time as _time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import kvevict.policies  # noqa: F401  (registers the built-in policies)
 from kvevict.errors import ConfigError, OutOfBlocks
 from kvevict.manager import KVCacheManager
-from kvevict.policies.base import Policy, available_policies, make_policy
-from kvevict.policies.belady import Belady, request_times
+from kvevict.policies.base import Policy, available_policies
+from kvevict.policies.belady import request_times
+from kvevict.policies.registry import POLICIES, PolicySpec, build_policy, is_offline, online_first
 from kvevict.pool import BlockPool
 from kvevict.types import ManualClock, Request
 
 __all__ = ["ReplayResult", "ReplayTable", "format_table", "main", "replay", "replay_table"]
-
-PolicySpec = str | Policy | Callable[[], Policy]
 
 
 @dataclass(frozen=True)
@@ -91,28 +91,17 @@ def _check_requests(requests: Iterable[Request]) -> list[Request]:
 def _build_policy(policy: PolicySpec, reqs: list[Request], times: list[float],
                   capacity_blocks: int, block_size: int, extra_key: Any,
                   params: Mapping[str, Any]) -> Policy:
-    if isinstance(policy, str):
-        if policy == "belady" and "future" not in params:
-            if params:
-                raise ConfigError(f"belady takes no parameters besides future; got "
-                                  f"{', '.join(params)}")
-            # requests larger than the pool never run, so they are no one's next use
-            fits = [(r, t) for r, t in zip(reqs, times, strict=True)
-                    if -(-r.prompt_len // block_size) <= capacity_blocks]
-            return Belady.from_requests([r for r, _ in fits], block_size=block_size,
-                                        extra_key=extra_key, time=[t for _, t in fits])
-        return make_policy(policy, **params)
-    if params:
-        raise ConfigError("policy parameters need a policy given by name")
-    if isinstance(policy, Policy):
-        return policy
-    if callable(policy):
-        built = policy()
-        if not isinstance(built, Policy):
-            raise ConfigError(f"a policy factory returned {type(built).__name__}, not a Policy")
-        return built
-    raise ConfigError(f"policy must be a registered name, a Policy or a factory, got "
-                      f"{type(policy).__name__}")
+    """`build_policy`; an offline policy's future holds only the requests that fit the pool
+    (one larger than the pool never runs, so it is no one's next use)."""
+    future: list[Request] | None = None
+    future_times: list[float] = []
+    if isinstance(policy, str) and is_offline(policy):
+        fits = [(r, t) for r, t in zip(reqs, times, strict=True)
+                if -(-r.prompt_len // block_size) <= capacity_blocks]
+        future = [r for r, _ in fits]
+        future_times = [t for _, t in fits]
+    return build_policy(policy, params, requests=future, block_size=block_size,
+                        time_axis=future_times, extra_key=extra_key)
 
 
 def _label(policy: PolicySpec) -> str:
@@ -180,8 +169,9 @@ def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int
 
     Args:
         requests: the trace, in order (token-mode or ``block_hashes`` requests).
-        policy: a registered name (``"belady"`` gets its future from ``requests``), a fresh
-            `Policy` instance, or a zero-argument factory returning one.
+        policy: a registered name (an offline one, ``"belady"``, gets its future from
+            ``requests``), a fresh `Policy` instance, or a zero-argument factory returning one
+            (see `kvevict.policies.registry.build_policy`).
         capacity_blocks: blocks in the pool.
         block_size: tokens per block (512 for the Mooncake traces).
         time: the clock axis: ``"index"`` (request ``i`` at time ``i``) or ``"arrival"``
@@ -238,7 +228,7 @@ def replay_table(requests: Iterable[Request],
         requests: the trace.
         policies: registered names, or a mapping label -> name or zero-argument factory (a
             fresh policy is needed per replay, so instances are not accepted). Default: every
-            registered policy, ``"belady"`` last.
+            registered policy, the offline ones (``"belady"``) last.
         capacities: pool sizes in blocks.
         block_size: as for `replay`.
         time: as for `replay`.
@@ -246,9 +236,7 @@ def replay_table(requests: Iterable[Request],
     """
     reqs = _check_requests(requests)
     if policies is None:  # the online policies, then the oracle
-        names = available_policies()
-        policies = [p for p in names if p != "belady"] + (["belady"] if "belady" in names
-                                                          else [])
+        policies = online_first(available_policies())
     if isinstance(policies, str):
         raise ConfigError("policies must be a list of names or a mapping, not one string")
     if isinstance(policies, Mapping):
@@ -259,9 +247,8 @@ def replay_table(requests: Iterable[Request],
         if isinstance(spec, Policy):
             raise ConfigError(f"policy {lbl!r}: give a name or a factory, not an instance "
                               "(each replay needs a fresh policy)")
-        if isinstance(spec, str) and spec not in available_policies():
-            raise ConfigError(f"unknown policy {spec!r}; valid names: "
-                              f"{', '.join(available_policies())}")
+        if isinstance(spec, str):
+            POLICIES.get(spec)  # an unknown name fails before any replay runs
     sizes = [_positive_int("capacity", c) for c in capacities]
     _positive_int("block_size", block_size)
     times = request_times(reqs, time)

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["choose_policy", "decision_record", "format_table", "plot_hit_ratio",
-           "plot_ttft_cdf"]
+from kvevict.policies.registry import POLICIES, is_offline
+
+__all__ = ["choose_policy", "decision_record", "explain_choice", "format_table",
+           "plot_hit_ratio", "plot_ttft_cdf"]
 
 TABLE_COLUMNS = (
     ("policy", "policy", "{}"),
@@ -52,14 +54,34 @@ def choose_policy(summaries: Sequence[dict[str, Any]], tie: float = 0.01) -> dic
     """The online policy to run: the lowest p95 TTFT (the number a chat server's users feel);
     p95s within ``tie`` (relative, or 5 ms) of the best count as equal, and among those the
     fewest recomputed prefill tokens wins, then LRU (the engines' default), then the name.
-    Belady is offline and never chosen."""
-    online = [s for s in summaries if s["policy"] != "belady"]
+    An offline policy (Belady: `kvevict.policies.registry.is_offline`) is never chosen."""
+    online = _online(summaries)
     if not online:
         raise ValueError("no online policy to choose from")
     best = min(s["ttft_p95"] for s in online)
     close = [s for s in online if s["ttft_p95"] <= best + max(best * tie, 0.005)]
     return min(close, key=lambda s: (s["recomputed_prefill_tokens"], s["policy"] != "lru",
                                      s["policy"]))
+
+
+def explain_choice(summaries: Sequence[dict[str, Any]],
+                   tie: float = 0.01) -> tuple[dict[str, Any], str]:
+    """`choose_policy` and the reason in one line: the lowest p95 TTFT, or a tie with the
+    lowest broken by fewer recomputed prefill tokens (the numbers are in the text)."""
+    chosen = choose_policy(summaries, tie)
+    fastest = min(_online(summaries),
+                  key=lambda s: (s["ttft_p95"], s["policy"] != "lru", s["policy"]))
+    if chosen["ttft_p95"] <= fastest["ttft_p95"]:
+        return chosen, f"lowest p95 TTFT {chosen['ttft_p95']:.3f} s"
+    return chosen, (f"p95 TTFT {chosen['ttft_p95']:.3f} s, a tie with the lowest "
+                    f"({fastest['policy']} {fastest['ttft_p95']:.3f} s), and fewer recomputed "
+                    f"prefill tokens ({chosen['recomputed_prefill_tokens']:,} vs "
+                    f"{fastest['recomputed_prefill_tokens']:,})")
+
+
+def _online(summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The summaries of online policies (labels that are not offline policies' names)."""
+    return [s for s in summaries if not is_offline(s["policy"])]
 
 
 def decision_record(summaries: Sequence[dict[str, Any]], *, workload: str, model: str,
@@ -71,7 +93,7 @@ def decision_record(summaries: Sequence[dict[str, Any]], *, workload: str, model
     date = date or _dt.date.today()
     chosen = choose_policy(summaries)
     lru = next((s for s in summaries if s["policy"] == "lru"), None)
-    belady = next((s for s in summaries if s["policy"] == "belady"), None)
+    oracle = next((s for s in summaries if is_offline(s["policy"])), None)
     lines = [
         f"# KV-cache eviction decision: {workload}",
         "",
@@ -96,7 +118,7 @@ def decision_record(summaries: Sequence[dict[str, Any]], *, workload: str, model
                    f"{-d95:+.3f} s ({lru['ttft_p95']:.3f} s to {chosen['ttft_p95']:.3f} s) "
                    f"and recomputes {dre:,} fewer prefill tokens.")
     elif lru is not None:
-        others = [s for s in summaries if s["policy"] not in ("lru", "belady")]
+        others = [s for s in _online(summaries) if s["policy"] != "lru"]
         if others:
             runner = min(others, key=lambda s: (s["ttft_p95"],
                                                 s["recomputed_prefill_tokens"]))
@@ -106,11 +128,11 @@ def decision_record(summaries: Sequence[dict[str, Any]], *, workload: str, model
                        "the default until the workload changes.")
     lines += why + ["", "## Measured", "", format_table(summaries, markdown=True), ""]
     lines += ["## Headroom", ""]
-    if belady is not None:
-        gap = belady["token_hit_ratio"] - chosen["token_hit_ratio"]
-        lines.append(f"- The offline oracle (Belady) reaches a token hit ratio of "
-                     f"{belady['token_hit_ratio']:.3f}; {gap:.3f} is left on the table for "
-                     "any online policy at this size.")
+    if oracle is not None:
+        gap = oracle["token_hit_ratio"] - chosen["token_hit_ratio"]
+        lines.append(f"- The offline oracle ({POLICIES.get(oracle['policy']).__name__}) "
+                     f"reaches a token hit ratio of {oracle['token_hit_ratio']:.3f}; "
+                     f"{gap:.3f} is left on the table for any online policy at this size.")
     lines.append(f"- An infinite cache would hit {chosen['infinite_cache_hit_ratio']:.3f} of "
                  "prompt tokens: the rest is compulsory.")
     lines.append(f"- Peak blocks in use: {chosen['peak_blocks']:,} of the pool; "
@@ -169,14 +191,15 @@ def _finish(plt: Any, fig: Any, ax: Any, path: Path, title: str, xlabel: str,
 
 
 def plot_hit_ratio(sweep: Sequence[dict[str, Any]], path: Path, title: str) -> None:
-    """Token hit ratio against cache size, one line per policy; Belady dashed as the ceiling."""
+    """Token hit ratio against cache size, one line per policy; the offline oracle (Belady)
+    dashed as the ceiling."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     pols = list(dict.fromkeys(s["policy"] for s in sweep))
     for p in pols:
         pts = sorted((s["capacity_blocks"], s["token_hit_ratio"]) for s in sweep
                      if s["policy"] == p)
-        style = {"linestyle": "--", "color": "black"} if p == "belady" else {"marker": "o"}
+        style = {"linestyle": "--", "color": "black"} if is_offline(p) else {"marker": "o"}
         ax.plot([x for x, _ in pts], [y for _, y in pts], label=p, **style)
     inf = max((s["infinite_cache_hit_ratio"] for s in sweep), default=None)
     if inf is not None:
@@ -194,7 +217,7 @@ def plot_ttft_cdf(ttfts: dict[str, Sequence[float]], path: Path, title: str) -> 
         if not xs:
             continue
         ys = [(i + 1) / len(xs) for i in range(len(xs))]
-        style = {"linestyle": "--", "color": "black"} if p == "belady" else {}
+        style = {"linestyle": "--", "color": "black"} if is_offline(p) else {}
         ax.step(xs, ys, where="post", label=p, **style)
     ax.set_xscale("symlog", linthresh=0.01)
     _finish(plt, fig, ax, path, title, "time to first token (s)", "fraction of requests")

@@ -32,7 +32,6 @@ Policies: ``streamingllm`` (`StreamingLLM`), ``h2o`` (`H2O`), ``snapkv`` (`SnapK
 from __future__ import annotations
 
 import abc
-import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -41,9 +40,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvevict.errors import ConfigError, PolicyError
+from kvevict.registry import Registry
 
 __all__ = [
     "H2O",
+    "TOKEN_POLICIES",
     "KeyNorm",
     "SnapKV",
     "StreamingLLM",
@@ -230,30 +231,19 @@ def _describe(value: Any) -> str:
 
 # -- registry ----------------------------------------------------------------------------------
 
-_REGISTRY: dict[str, type[TokenPolicy]] = {}
+#: The registry of token policies (the same generic `kvevict.registry.Registry` as the
+#: residency policies').
+TOKEN_POLICIES: Registry[TokenPolicy] = Registry("token policy", TokenPolicy)
 
 
 def register_token_policy(name: str) -> Callable[[type], type]:
     """Class decorator: make a token policy constructible as ``make_token_policy(name, ...)``."""
-    if not isinstance(name, str) or not name or name != name.strip().lower():
-        raise ConfigError(f"token policy names are non-empty lower-case strings, got {name!r}")
-
-    def decorate(cls: type) -> type:
-        if not (isinstance(cls, type) and issubclass(cls, TokenPolicy)):
-            raise ConfigError(f"{cls!r} is not a TokenPolicy subclass")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ConfigError(f"a token policy named {name!r} is already registered "
-                              f"({_REGISTRY[name].__name__})")
-        _REGISTRY[name] = cls
-        cls.name = name
-        return cls
-
-    return decorate
+    return TOKEN_POLICIES.register(name)
 
 
 def available_token_policies() -> list[str]:
     """Names accepted by `make_token_policy`, sorted."""
-    return sorted(_REGISTRY)
+    return TOKEN_POLICIES.names()
 
 
 def make_token_policy(name: str | TokenPolicy, budget: int | None = None,
@@ -266,19 +256,11 @@ def make_token_policy(name: str | TokenPolicy, budget: int | None = None,
         if budget is not None or params:
             raise ConfigError("budget or parameters were given together with a policy instance")
         return name
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ConfigError(f"unknown token policy {name!r}; valid names: "
-                          f"{', '.join(available_token_policies())}")
+    TOKEN_POLICIES.get(name)  # an unknown name is reported before a missing budget
     if budget is None:
         raise ConfigError(f"token policy {name!r} needs a budget (tokens kept per sequence "
                           "per layer), e.g. budget=256")
-    cls = _REGISTRY[name]
-    accepted = [p for p in inspect.signature(cls).parameters if p != "budget"]
-    unknown = [k for k in params if k not in accepted]
-    if unknown:
-        raise ConfigError(f"token policy {name!r} has no parameter(s) {', '.join(unknown)}; "
-                          f"it accepts: {', '.join(['budget', *accepted])}")
-    return cls(budget, **params)
+    return TOKEN_POLICIES.make(name, budget, **params)
 
 
 # -- the policies --------------------------------------------------------------------------

@@ -12,8 +12,8 @@ import torch
 
 from kvevict.cli import main
 from kvevict.cost import CostModel
-from kvevict.engine.bench import auto_capacity, auto_time_scale
 from kvevict.engine.calibrate import fit_decode, fit_prefill
+from kvevict.engine_bench import auto_capacity, auto_time_scale
 from kvevict.errors import ConfigError
 from kvevict.scheduler import SchedulerConfig
 from kvevict.sim import simulate

@@ -19,13 +19,10 @@ import torch
 
 from kvevict.cost import CostModel
 from kvevict.engine import LlamaModel, ModelConfig
-from kvevict.engine.executor import (
-    EngineExecutor,
-    compare_answers,
-    process_memory,
-    run_engine,
-    unbounded_capacity,
-)
+from kvevict.engine.answers import compare_answers
+from kvevict.engine.driver import run_engine, unbounded_capacity
+from kvevict.engine.executor import EngineExecutor
+from kvevict.engine.memory import process_memory
 from kvevict.errors import ConfigError
 from kvevict.manager import KVCacheManager
 from kvevict.pool import BlockPool

@@ -208,7 +208,8 @@ def test_replay_errors():
         replay([1, 2], "lru", 4, 4)
     with pytest.raises(ConfigError, match="by name"):
         replay(reqs, make_policy("lru"), 4, 4, half_life=1.0)
-    with pytest.raises(ConfigError, match="belady takes no parameters"):
+    with pytest.raises(ConfigError, match=r"policy 'belady' has no parameter\(s\) horizon; it "
+                                          r"accepts: future \(policy 'belady' is offline"):
         replay(reqs, "belady", 4, 4, horizon=3)
     with pytest.raises(ConfigError, match="time must be"):
         replay(reqs, "lru", 4, 4, time="wall")

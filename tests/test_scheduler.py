@@ -10,8 +10,8 @@ from kvevict import (
     Request,
 )
 from kvevict.cost import CostModel
+from kvevict.run import CostModelExecutor
 from kvevict.scheduler import Scheduler, SchedulerConfig
-from kvevict.sim import CostModelExecutor
 
 # 1 ms per prefill token, no attention term; a decode step costs 10 ms
 COST = CostModel(linear_s_per_token=0.001, attn_s_per_pair=0.0, decode_step_s=0.01,

@@ -18,8 +18,9 @@ from kvevict.layout import preset
 from kvevict.policies import Market, MarketAdmission, available_policies
 from kvevict.prefix import block_hashes
 from kvevict.replay import replay
+from kvevict.run import CostModelExecutor
 from kvevict.scheduler import SchedulerConfig
-from kvevict.sim import CostModelExecutor, simulate
+from kvevict.sim import simulate
 from kvevict.types import Request
 from kvevict.workloads import bundled_trace_path, generate, read_mooncake, trace_digest
 

@@ -518,7 +518,7 @@ def test_custom_policy_from_the_docstring():
     finally:
         from kvevict import tokens
 
-        tokens._REGISTRY.pop("test-vnorm")
+        tokens.TOKEN_POLICIES.unregister("test-vnorm")
 
 
 def test_broken_score_raises_policy_error():

@@ -26,8 +26,7 @@ consistent (see `kvevict.manager`).
 from __future__ import annotations
 
 import abc
-import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from sortedcontainers import SortedList
@@ -52,6 +51,9 @@ class Policy(abc.ABC):
 
     #: Registry name, set by `register_policy`.
     name: ClassVar[str] = ""
+    #: Whether the policy needs the future (an oracle such as Belady): then it is built from
+    #: the requests (``from_requests``) by `build_policy`, and reports list it last.
+    offline: ClassVar[bool] = False
 
     #: Tokens per block of the manager this policy serves (set by `bind`; None before).
     manager_block_size: int | None = None
@@ -170,52 +172,12 @@ class ScoredPolicy(Policy):
 
 
 # -- registry ------------------------------------------------------------------------------
+# The registry is `kvevict.policies.registry` (one generic `kvevict.registry.Registry` serves
+# block and token policies); its names are re-exported here, where the policy modules import
+# them from. Imported last because that module needs `Policy` above.
 
-_REGISTRY: dict[str, Callable[..., Policy]] = {}
-
-
-def register_policy(name: str) -> Callable[[type], type]:
-    """Class decorator: make a policy constructible as ``make_policy(name, **params)``."""
-    if not isinstance(name, str) or not name or name != name.strip().lower():
-        raise ConfigError(f"policy names are non-empty lower-case strings, got {name!r}")
-
-    def decorate(cls: type) -> type:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ConfigError(f"a policy named {name!r} is already registered "
-                              f"({_REGISTRY[name].__name__})")
-        _REGISTRY[name] = cls
-        cls.name = name
-        return cls
-
-    return decorate
-
-
-def available_policies() -> list[str]:
-    """Names accepted by `make_policy`, sorted."""
-    return sorted(_REGISTRY)
-
-
-def make_policy(name: str | Policy, **params: Any) -> Policy:
-    """Build a registered policy by name, e.g. ``make_policy("lfu", half_life=60.0)``.
-
-    A `Policy` instance is returned as is (then ``params`` must be empty).
-    """
-    if isinstance(name, Policy):
-        if params:
-            raise ConfigError("parameters were given together with a policy instance")
-        return name
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ConfigError(
-            f"unknown policy {name!r}; valid names: {', '.join(available_policies())}"
-        )
-    cls = _REGISTRY[name]
-    sig = inspect.signature(cls)
-    accepts_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-    unknown = [k for k in params if k not in sig.parameters]
-    if unknown and not accepts_any:
-        accepted = [p for p in sig.parameters if p not in ("self",)]
-        raise ConfigError(
-            f"policy {name!r} has no parameter(s) {', '.join(unknown)}; it accepts: "
-            f"{', '.join(accepted) or 'no parameters'}"
-        )
-    return cls(**params)
+from kvevict.policies.registry import (  # noqa: E402
+    available_policies,
+    make_policy,
+    register_policy,
+)

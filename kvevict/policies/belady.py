@@ -28,6 +28,8 @@ block overall, and restricting the choice to leaves loses nothing.
 
 Without a future (``Belady()``, as ``make_policy("belady")`` builds it) every block is
 "never used again" and the order degenerates to the tie-break: least recently used first.
+``build_policy("belady", requests=..., time_axis=...)`` (what the simulator, the replay and the
+engine call) gives it the future of those requests.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -83,7 +85,13 @@ class Belady(ScoredPolicy):
             `Belady.from_requests`.
 
     O(log n) per event (static heap; see the module docstring for why that is exact).
+
+    It is **offline** (``offline = True``): `kvevict.policies.registry.build_policy` builds it
+    by name from the run's requests through `from_requests`, and reports label it the oracle.
     """
+
+    #: Needs the future: built from the run's requests (`from_requests`).
+    offline: ClassVar[bool] = True
 
     def __init__(self, future: Mapping[Any, Iterable[float]] | None = None) -> None:
         super().__init__()

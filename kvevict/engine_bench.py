@@ -23,6 +23,9 @@ calibrated on this engine, so the simulator's fidelity is a measured number:
    answers equal the unbounded run's (`compare_answers`).
 
 All latencies are engine seconds (wall-clock seconds of this process).
+
+This module sits above both the simulator (`kvevict.sim`) and the engine (`kvevict.engine`),
+which never import each other: it is the one place that runs both and compares them.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvevict.cost import CostModel
+from kvevict.engine.answers import compare_answers
 from kvevict.engine.calibrate import Calibration, calibrate, engine_description
-from kvevict.engine.executor import (
+from kvevict.engine.driver import (
     EngineResult,
-    compare_answers,
     default_policy_params,
     in_engine_seconds,
     run_engine,
@@ -44,8 +47,9 @@ from kvevict.engine.executor import (
 )
 from kvevict.engine.model import LlamaModel
 from kvevict.errors import ConfigError
+from kvevict.run import SimResult, infinite_cache_hits
 from kvevict.scheduler import SchedulerConfig
-from kvevict.sim import SimResult, infinite_cache_hits, simulate
+from kvevict.sim import simulate
 from kvevict.types import Request
 
 __all__ = ["auto_capacity", "auto_time_scale", "blocks_needed", "calibrate_for_workload",

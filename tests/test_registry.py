@@ -1,0 +1,284 @@
+"""One generic registry for block and token policies, and `build_policy`, the one way the
+simulator, the replay and the engine build a policy (offline ones from the run's requests)."""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import pytest
+
+from kvevict import ConfigError, Request, report
+from kvevict.engine import LlamaModel, ModelConfig
+from kvevict.engine.driver import default_policy_params, run_engine
+from kvevict.policies import LFU, LRU, Belady, Policy, ScoredPolicy, available_policies
+from kvevict.policies import base as policies_base
+from kvevict.policies.registry import (
+    POLICIES,
+    build_policy,
+    is_offline,
+    make_policy,
+    online_first,
+    register_policy,
+)
+from kvevict.registry import Registry
+from kvevict.replay import replay, replay_table
+from kvevict.sim import simulate
+from kvevict.tokens import TOKEN_POLICIES, StreamingLLM, TokenPolicy, make_token_policy
+from kvevict.workloads import generate
+
+BS = 4
+
+
+def _req(i, ids, t):
+    return Request(i, block_hashes=ids, num_tokens=len(ids) * BS, arrival=t)
+
+
+REQS = [_req(0, [1, 2], 0.5), _req(1, [1, 3], 2.0), _req(2, [1, 2], 7.0)]
+
+
+# -- the generic registry ----------------------------------------------------------------------
+
+
+class Thing:
+    def __init__(self, size: int = 1, *, color: str = "red") -> None:
+        self.size, self.color = size, color
+
+
+class Flexible(Thing):
+    def __init__(self, **anything):
+        super().__init__()
+        self.anything = anything
+
+
+def test_one_registry_class_serves_block_and_token_policies():
+    assert type(POLICIES) is Registry and type(TOKEN_POLICIES) is Registry
+    assert POLICIES.base is Policy and TOKEN_POLICIES.base is TokenPolicy
+    assert POLICIES.names() == available_policies()
+    assert policies_base.make_policy is make_policy  # the old import path is the same function
+    assert policies_base.register_policy is register_policy
+    assert "lru" in POLICIES and "streamingllm" in TOKEN_POLICIES and "lru" not in TOKEN_POLICIES
+    assert POLICIES.get("lru") is LRU and TOKEN_POLICIES.get("streamingllm") is StreamingLLM
+
+
+def test_generic_registry_registers_lists_builds_and_forgets():
+    things = Registry("thing", Thing)
+    assert things.register("thing")(Thing) is Thing and Thing.name == "thing"
+    things.register("flexible")(Flexible)
+    assert things.names() == ["flexible", "thing"]
+    built = things.make("thing", 3, color="blue")
+    assert (built.size, built.color) == (3, "blue")
+    assert things.make("flexible", whatever=1).anything == {"whatever": 1}  # **kwargs: any
+    assert things.parameters("thing") == ["size", "color"]
+    things.unregister("flexible")
+    assert things.names() == ["thing"]
+
+
+def test_generic_registry_messages():
+    things = Registry("thing", Thing)
+    things.register("thing")(Thing)
+    with pytest.raises(ConfigError, match=r"^unknown thing 'nope'; valid names: thing$"):
+        things.get("nope")
+    with pytest.raises(ConfigError, match=r"^unknown thing 'nope'; valid names: thing$"):
+        things.unregister("nope")
+    with pytest.raises(ConfigError, match=r"^thing 'thing' has no parameter\(s\) colour, x; it "
+                                          r"accepts: size, color$"):
+        things.make("thing", colour="red", x=1)
+    with pytest.raises(ConfigError, match=r"^thing names are non-empty lower-case strings"):
+        things.register("Thing")
+    with pytest.raises(ConfigError, match="is not a Thing subclass"):
+        things.register("other")(int)
+
+    class Other(Thing):
+        pass
+
+    with pytest.raises(ConfigError, match=r"^a thing named 'thing' is already registered "
+                                          r"\(Thing\)$"):
+        things.register("thing")(Other)
+
+
+def test_block_and_token_registries_speak_alike():
+    with pytest.raises(ConfigError) as block:
+        make_policy("nope")
+    with pytest.raises(ConfigError) as token:
+        make_token_policy("nope", budget=4)
+    assert str(block.value) == f"unknown policy 'nope'; valid names: {', '.join(POLICIES.names())}"
+    assert str(token.value) == ("unknown token policy 'nope'; valid names: "
+                                f"{', '.join(TOKEN_POLICIES.names())}")
+    with pytest.raises(ConfigError, match=r"^policy 'lru' has no parameter\(s\) budget; it "
+                                          r"accepts: no parameters$"):
+        make_policy("lru", budget=3)
+    with pytest.raises(ConfigError, match=r"^token policy 'streamingllm' has no parameter\(s\) "
+                                          r"half_life; it accepts: budget, n_sink$"):
+        make_token_policy("streamingllm", budget=8, half_life=3)
+    with pytest.raises(ConfigError, match="is not a Policy subclass"):
+        register_policy("test-not-a-policy")(StreamingLLM)
+    assert "test-not-a-policy" not in POLICIES
+
+
+# -- build_policy ------------------------------------------------------------------------------
+
+
+def test_build_policy_from_a_name_with_and_without_params():
+    assert type(build_policy("lru")) is LRU
+    lfu = build_policy("lfu", {"half_life": 7.0}, requests=REQS, block_size=BS)
+    assert type(lfu) is LFU and lfu.half_life == 7.0
+    market = build_policy("market", {"block_size": 8})  # a parameter named like a keyword
+    assert market.block_size == 8
+
+
+def test_build_policy_from_an_instance_or_a_factory():
+    policy = LFU(half_life=3.0)
+    assert build_policy(policy, requests=REQS) is policy
+    built = build_policy(LRU)
+    assert type(built) is LRU and build_policy(LRU) is not built
+    with pytest.raises(ConfigError, match=r"^parameters \(half_life\) were given together with "
+                                          "a policy instance or factory; policy parameters need "
+                                          "a policy given by name$"):
+        build_policy(policy, {"half_life": 4.0})
+    with pytest.raises(ConfigError, match=r"^a policy factory returned int, not a Policy$"):
+        build_policy(lambda: 3)
+    with pytest.raises(ConfigError, match=r"^policy must be a registered name, a Policy or "
+                                          r"a factory, got int$"):
+        build_policy(3)
+
+
+def test_build_policy_unknown_name_and_bad_params():
+    with pytest.raises(ConfigError) as info:
+        build_policy("nope", requests=REQS)
+    assert str(info.value) == ("unknown policy 'nope'; valid names: "
+                               f"{', '.join(available_policies())}")
+    with pytest.raises(ConfigError, match=r"^policy 'lfu' has no parameter\(s\) halflife; it "
+                                          r"accepts: half_life$"):
+        build_policy("lfu", {"halflife": 3})
+
+
+def test_build_policy_gives_an_offline_policy_the_future_on_the_time_axis():
+    by_index = build_policy("belady", requests=REQS, block_size=BS)
+    assert type(by_index) is Belady and by_index.num_blocks_known == 3
+    assert [by_index.next_use(1, t) for t in (-1, 0, 1, 2)] == [0.0, 1.0, 2.0, float("inf")]
+    by_arrival = build_policy("belady", requests=REQS, block_size=BS, time_axis="arrival")
+    assert [by_arrival.next_use(2, t) for t in (0, 0.5, 7.0)] == [0.5, 7.0, float("inf")]
+    explicit = build_policy("belady", requests=REQS, time_axis=[10.0, 20.0, 30.0])
+    assert explicit.next_use(3, 0) == 20.0
+    with pytest.raises(ConfigError, match="time must be one of index, arrival, got 'wall'"):
+        build_policy("belady", requests=REQS, time_axis="wall")
+
+
+def test_build_policy_offline_without_requests_is_a_config_error():
+    with pytest.raises(ConfigError, match=re.escape(
+            "policy 'belady' is offline: it needs the future; pass requests= (the requests the "
+            "run will begin, in order) or its own parameters (future)")):
+        build_policy("belady")
+    assert type(make_policy("belady")) is Belady  # make_policy builds it without a future
+
+
+def test_build_policy_offline_with_params_builds_from_them():
+    given = build_policy("belady", {"future": {1: [5.0]}}, requests=REQS)
+    assert given.num_blocks_known == 1 and given.next_use(1, 0) == 5.0
+    with pytest.raises(ConfigError, match=re.escape(
+            "policy 'belady' has no parameter(s) horizon; it accepts: future (policy 'belady' "
+            "is offline: given by name alone, it is built from the run's requests)")):
+        build_policy("belady", {"horizon": 3}, requests=REQS)
+
+
+# -- the offline attribute ---------------------------------------------------------------------
+
+
+def test_offline_marks_belady_only():
+    assert Belady.offline is True
+    assert is_offline("belady") and is_offline(Belady) and is_offline(Belady())
+    assert [n for n in available_policies() if is_offline(n)] == ["belady"]
+    assert not is_offline("lru") and not is_offline(LRU())
+    assert not is_offline("unbounded")  # a label that is no registered name
+    assert online_first(["belady", "lru", "lfu"]) == ["lru", "lfu", "belady"]
+    assert replay_table(REQS, None, [4], BS).policies[-1] == "belady"
+
+
+def test_an_offline_class_needs_the_from_requests_hook():
+    class NoHook(ScoredPolicy):
+        offline = True
+
+        def score(self, block, now):
+            return 0.0
+
+    with pytest.raises(ConfigError, match="offline policy NoHook needs a classmethod "
+                                          "from_requests"):
+        register_policy("test-no-hook")(NoHook)
+    assert "test-no-hook" not in POLICIES
+
+
+class RecordingOracle(Belady):
+    """Belady that records how it was built: an offline policy other than "belady"."""
+
+    calls: ClassVar[list] = []
+
+    @classmethod
+    def from_requests(cls, requests, *, block_size=None, extra_key=None, time="index"):
+        reqs = list(requests)
+        cls.calls.append(([r.request_id for r in reqs], block_size,
+                          time if isinstance(time, str) else list(time)))
+        return super().from_requests(reqs, block_size=block_size, extra_key=extra_key,
+                                     time=time)
+
+
+@pytest.fixture
+def oracle():
+    RecordingOracle.calls = []
+    register_policy("test-oracle")(RecordingOracle)
+    try:
+        yield RecordingOracle
+    finally:
+        POLICIES.unregister("test-oracle")
+
+
+def test_sim_replay_and_report_treat_any_offline_policy_as_the_oracle(oracle):
+    assert is_offline("test-oracle")
+    simulate(REQS, "test-oracle", capacity_blocks=4, block_size=BS)
+    simulate(REQS, "test-oracle", capacity_blocks=4, block_size=BS, timing=False)
+    replay(REQS, "test-oracle", 4, BS, time="arrival")
+    assert oracle.calls == [([0, 1, 2], BS, "arrival"), ([0, 1, 2], BS, "index"),
+                            ([0, 1, 2], BS, [0.5, 2.0, 7.0])]
+    assert default_policy_params("test-oracle", None, BS) == {}
+    names = online_first(["test-oracle", "lru", "belady"])
+    assert names == ["lru", "test-oracle", "belady"]
+    summaries = [simulate(REQS, p, capacity_blocks=4, block_size=BS).summary() for p in names]
+    assert report.choose_policy(summaries)["policy"] == "lru"
+    with pytest.raises(ValueError, match="no online policy"):
+        report.choose_policy(summaries[1:])
+    record = report.decision_record(summaries, workload="w", model="m", layout_desc="l",
+                                    capacity_desc="c", seed=0, command="kvevict simulate")
+    assert "The offline oracle (RecordingOracle) reaches" in record
+
+
+def test_the_engine_builds_an_offline_policy_on_the_arrival_axis(oracle):
+    config = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=8, intermediate_size=32)
+    model = LlamaModel(config, seed=0)
+    reqs = generate("chat", seed=0, vocab_size=32, duration=60, output_tokens_mean=4,
+                    user_tokens_mean=8, system_prompt_tokens=8)[:4]
+    result = run_engine(reqs, model, "test-oracle", capacity_blocks=64, block_size=BS)
+    ordered = sorted(reqs, key=lambda r: r.arrival)
+    assert oracle.calls == [([r.request_id for r in ordered], BS, "arrival")]
+    assert result.policy == "test-oracle"
+
+
+# -- the choice and its reason -----------------------------------------------------------------
+
+
+def _summary(policy, p95, recomputed):
+    return {"policy": policy, "ttft_p95": p95, "recomputed_prefill_tokens": recomputed}
+
+
+def test_explain_choice_lowest_p95():
+    chosen, why = report.explain_choice([_summary("lru", 1.0, 50), _summary("lfu", 2.0, 10),
+                                         _summary("belady", 0.1, 0)])
+    assert chosen["policy"] == "lru" and why == "lowest p95 TTFT 1.000 s"
+
+
+def test_explain_choice_a_tie_broken_by_recompute():
+    chosen, why = report.explain_choice([_summary("lru", 1.000, 5000),
+                                         _summary("market", 1.004, 1200)])
+    assert chosen["policy"] == "market"
+    assert why == ("p95 TTFT 1.004 s, a tie with the lowest (lru 1.000 s), and fewer "
+                   "recomputed prefill tokens (1,200 vs 5,000)")
