@@ -23,10 +23,18 @@ decode appends fill blocks; a trace request brings its chain. Past that point th
 hit loop, one caching path and one eviction loop, and the policy is reached only through the
 `Policy` protocol.
 
-A policy event that raises becomes a `PolicyError` naming the policy, the event and the block,
-and leaves the cache consistent: ``begin`` and ``resume`` are rolled back; the other
-operations complete, a block whose ``on_candidate`` raised is kept by the manager (and
-evicted first), a block whose ``on_insert`` raised stays uncached. See ``docs/policies.md``.
+A policy event that raises becomes a `PolicyError` naming the policy, the event and the block
+(the policy's exception is its ``__cause__``), and the cache stays consistent (`check` holds):
+
+- ``begin`` and ``resume`` are rolled back: the blocks they cached are uncached again (the
+  policy hears ``on_evict``), the hits released; evictions they made stay made.
+- ``victim`` / ``on_evict`` raising while making room: that block stays cached and the
+  operation fails before it changed anything else.
+- ``append`` / ``prefill`` complete once they allocated (the tokens are known and their KV is
+  being computed); a block whose ``on_insert`` raised is cached all the same.
+- ``finish``, ``preempt``, ``evict`` and ``unpin`` complete; a block whose ``on_candidate``
+  raised is kept by the manager (`kvevict.pins`) and evicted before the policy is asked.
+- ``pin``: a block whose ``on_uncandidate`` raised is not pinned.
 
 Time comes from the injected ``clock`` (a callable returning seconds).
 """
@@ -211,6 +219,8 @@ class KVCacheManager:
         self.records = MappingProxyType(self._records)
         self._tick = 0
         self._last_now = -math.inf
+        # what the running operation cached, for its rollback: blocks it created (in order)
+        self._created: list[BlockInfo] = []
         self._eviction_listeners: list[Callable[[BlockInfo, float], None]] = []
         self.policy.bind(self.block_size)
         self._on_hit = _overrides(self.policy, Policy, "on_hit")
@@ -405,6 +415,8 @@ class KVCacheManager:
         seq.block_table = self._acquire(hit, now)  # hold the hits so eviction cannot take them
         seq.cached_blocks = hit
         seq.num_tokens = hit_tokens
+        self._created = []
+        allocated = self.stats.allocated_blocks
         try:
             evictions = need - pool.num_free
             if evictions > 0:
@@ -427,7 +439,10 @@ class KVCacheManager:
                 except Exception as exc:
                     raise self._policy_error("on_begin", None, exc) from exc
         except BaseException:
-            # undo: release what the sequence holds (cached blocks become candidates)
+            # undo: uncache what this call cached, release what the sequence holds (the hits
+            # become candidates again); evictions done stay done
+            self._uncache_created(seq, now)
+            self.stats.allocated_blocks = allocated
             self._release(seq, now, touch=False)
             seq.num_tokens = 0
             raise
@@ -547,8 +562,28 @@ class KVCacheManager:
                 seq.token_ids.extend(new_tokens)  # type: ignore[union-attr]
                 self._extend_chain(seq)
         before = len(seq.block_table)
+        self._created = []
         self._allocate_to(seq, target, now, created_by)
         return seq.block_table[before:]
+
+    def _uncache_created(self, seq: Sequence, now: float) -> None:
+        """Unregister the blocks the failed operation created (tail first; their KV was
+        never computed): they become private blocks of ``seq`` again. The policy hears
+        ``on_evict`` for each, as for any block that leaves the cache."""
+        created, self._created = self._created, []
+        if not created:
+            return
+        cached = seq.cached_blocks
+        del cached[len(cached) - len(created):]  # they are the tail of the cached blocks
+        for block in reversed(created):
+            self.tree.discard(block)
+            del self._records[block.block_id]
+            block.ref_count = 0
+            self.stats.inserted_blocks -= 1
+            try:
+                self._on_evict(block, now)
+            except Exception:  # already raising the error that caused this rollback
+                pass
 
     def _extend_chain(self, seq: Sequence) -> None:
         """Token mode: hash every block of ``seq``'s known tokens that became full."""
@@ -590,6 +625,8 @@ class KVCacheManager:
         cls, session, retention = request.workload_class, request.session_id, request.retention
         on_insert = self._on_insert
         stats = self.stats
+        created = self._created
+        error = None
         parent = cached[-1] if cached else None  # seq holds the parent: it stays no candidate
         for depth in range(len(cached), end):
             block_hash = hashes[depth]
@@ -614,17 +651,17 @@ class KVCacheManager:
             tree.insert(block)
             records[block_id] = block
             cached.append(block)
+            created.append(block)
             stats.inserted_blocks += 1
             if on_insert is not None:
                 try:
                     on_insert(block, now)
-                except Exception as exc:  # the block stays uncached, private to seq
-                    tree.discard(block)
-                    del records[block_id]
-                    cached.pop()
-                    stats.inserted_blocks -= 1
-                    raise self._policy_error("on_insert", block, exc) from exc
+                except Exception as exc:  # cached all the same (the policy indexes
+                    if error is None:  # candidates, which it will hear of)
+                        error = self._policy_error("on_insert", block, exc)
             parent = block
+        if error is not None:
+            raise error
 
     def _share(self, seq: Sequence, depth: int, existing: BlockInfo, now: float) -> None:
         """Swap ``seq``'s private block ``depth`` for the identical cached ``existing``."""

@@ -190,6 +190,15 @@ class BlockPool:
 
     # -- inspection --------------------------------------------------------------------------
 
+    def first_free(self, block_ids: Any) -> int | None:
+        """The first of ``block_ids`` (valid ids) that is free, or None when all are handed
+        out: one call to check a whole block table."""
+        used = self._used
+        for block_id in block_ids:
+            if not used[block_id]:
+                return block_id
+        return None
+
     def free_ids(self) -> list[int]:
         """The free list (a copy; its last block is handed out next)."""
         return list(self._free)

@@ -586,8 +586,9 @@ class LlamaModel:
                 if type(b) is not int or not 0 <= b < num_blocks:
                     raise ConfigError(f"seqs[{i}] block id {b!r} is not an int in [0, "
                                       f"{num_blocks})")
-                if not pool.is_used(b):
-                    raise ConfigError(f"seqs[{i}] block {b} is free (not allocated)")
+            free = pool.first_free(table)
+            if free is not None:
+                raise ConfigError(f"seqs[{i}] block {free} is free (not allocated)")
             if len(set(table)) != len(table):
                 raise ConfigError(f"seqs[{i}] block_table repeats a block: {table}")
             prepared.append((ids, start, table))
