@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvevict.manager import KVCacheManager
@@ -41,3 +43,18 @@ def evict_one_by_one():
         return order
 
     return run
+
+
+def pytest_configure(config):
+    """``KVEVICT_MUTANT=<name>`` runs the tests against a hand-made mutant of the production
+    code (`mutants.py`); `test_mutations.py` checks that they then fail."""
+    name = os.environ.get("KVEVICT_MUTANT")
+    if name:
+        from hypothesis import Phase, settings
+        from mutants import MUTANTS
+
+        MUTANTS[name]()
+        # a failure is all that is asked for: no shrinking
+        settings.register_profile("mutant", parent=settings.get_profile("ci"),
+                                  phases=(Phase.explicit, Phase.reuse, Phase.generate))
+        settings.load_profile("mutant")

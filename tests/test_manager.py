@@ -830,3 +830,18 @@ def test_sharers_are_cut_back_to_the_most_recent_in_order():
     assert list(block.sharers)[-1] == f"s{last - 5}"
     assert block.sharers[f"s{last - 5}"] == float(last + 1)
     assert block.num_sharers == MAX_SHARERS
+
+
+@pytest.mark.parametrize("arrival", [float("nan"), float("inf"), -float("inf"), -0.5, "1.0",
+                                     True, None])
+def test_a_request_with_an_impossible_arrival_is_rejected_when_built(arrival):
+    """``nan`` made `simulate` hang, ``inf`` gave a NaN p95, a negative arrival counted its
+    wait from 0: each is a clear error at construction now."""
+    with pytest.raises(ConfigError, match=r"request 'r': arrival must be a finite clock time "
+                                          r">= 0 \(seconds\), got "):
+        Request("r", tokens=[1, 2], arrival=arrival)
+
+
+@pytest.mark.parametrize("arrival", [0, 0.0, 3, 2.5, np.float64(1.5), np.int64(4)])
+def test_finite_non_negative_arrivals_are_accepted(arrival):
+    assert Request("r", tokens=[1], arrival=arrival).arrival == arrival
