@@ -1,8 +1,9 @@
 """kvevict: decide which KV-cache state an LLM server keeps resident, and prove it with numbers.
 
-The layers, top to bottom. A module imports only from layers below its own (the diagram, the
-exact import list and what each module owns are in ``docs/concepts.md``, "Architecture";
-``tests/test_architecture.py`` checks them against the code):
+The layers, top to bottom. Imports point down: a module imports from lower layers and from a
+few modules of its own layer, never from a higher one (the diagram, the exact import list and
+what each module owns are in ``docs/concepts.md``, "Architecture"; ``tests/test_architecture.py``
+checks them against the code):
 
 1. entry points: ``kvevict.cli`` (the ``kvevict`` command), ``kvevict.engine_bench``,
    ``kvevict.sim``, ``kvevict.engine``, ``kvevict.replay``, ``kvevict.testing``,
