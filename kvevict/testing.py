@@ -59,6 +59,7 @@ __all__ = [
     "register_profiles",
     "requests",
     "retention_hints",
+    "stress",
     "token_ids",
 ]
 
@@ -433,3 +434,156 @@ def machine_for(policy: str | Callable[[], Policy], *, num_blocks: int = 12,
         "tensor": tensor,
     }
     return type(f"CacheMachine_{name}", (CacheMachine,), attrs)
+
+
+# -- stress: the same machine, driven by a seeded RNG instead of Hypothesis -----------------
+
+
+def _random_tokens(rng: np.random.Generator, max_len: int = 14, vocab: int = 3) -> list[int]:
+    """What `token_ids` draws: a shared system prompt (or none) plus a short tail."""
+    while True:
+        head = (*SYSTEM_PROMPTS, ())[int(rng.integers(len(SYSTEM_PROMPTS) + 1))]
+        tokens = list(head) + rng.integers(0, vocab, size=int(rng.integers(0, max_len + 1)))\
+            .tolist()
+        if tokens:
+            return tokens
+
+
+def _random_hint(rng: np.random.Generator) -> RetentionHint | None:
+    """What `retention_hints` draws: None two times in three, else a hint."""
+    if rng.integers(3):
+        return None
+    until = None if rng.integers(2) else float(rng.uniform(0, 30))
+    return RetentionHint(priority=float(rng.uniform(0, 1)), until=until)
+
+
+def _random_chunk(rng: np.random.Generator) -> int | None:
+    return None if rng.integers(2) else int(rng.integers(0, 7))
+
+
+def _pop(rng: np.random.Generator, ids: list[int]) -> int:
+    return ids.pop(int(rng.integers(len(ids))))
+
+
+def _stress_step(machine: CacheMachine, rng: np.random.Generator, running: list[int],
+                 preempted: list[int]) -> str:
+    """Run one random rule of ``machine`` (its own method: the same checks as under
+    Hypothesis) and keep its bundles; return the rule's name."""
+    op = int(rng.integers(11))
+    if op <= 1 or (op <= 5 and not running):
+        result = machine.begin(_random_tokens(rng), int(rng.integers(5)),
+                               WORKLOAD_CLASSES[int(rng.integers(len(WORKLOAD_CLASSES)))],
+                               _random_hint(rng), _random_chunk(rng))
+        if isinstance(result, int):
+            running.append(result)
+        return "begin"
+    if op == 2:
+        n = None if rng.integers(2) else int(rng.integers(1, 7))
+        machine.prefill(running[int(rng.integers(len(running)))], n)
+        return "prefill"
+    if op == 3:
+        tokens = rng.integers(0, 3, size=int(rng.integers(1, 7))).tolist()
+        machine.append(running[int(rng.integers(len(running)))], tokens)
+        return "append"
+    if op == 4:
+        pool = running if not preempted or rng.integers(2) else preempted
+        machine.finish(_pop(rng, pool))
+        return "finish"
+    if op == 5:
+        seq_id = _pop(rng, running)
+        machine.preempt(seq_id)
+        if seq_id in machine.seqs:
+            preempted.append(seq_id)
+        return "preempt"
+    if op == 6 and preempted:
+        seq_id = _pop(rng, preempted)
+        machine.resume(seq_id, _random_chunk(rng))
+        if seq_id in machine.seqs:
+            running.append(seq_id)
+        return "resume"
+    if op == 7:
+        until = None if rng.integers(2) else float(rng.uniform(0, 40))
+        machine.pin(_random_tokens(rng), until)
+        return "pin"
+    if op == 8:
+        machine.unpin(_random_tokens(rng))
+        return "unpin"
+    if op == 9 and machine.manager.num_evictable_blocks > 0:
+        machine.evict(int(rng.integers(1, 4)))
+        return "evict"
+    if op == 10:
+        machine.lookup(_random_tokens(rng))
+        return "lookup"
+    machine.advance([0.0, 0.5, 3.0, 20.0][int(rng.integers(4))])
+    return "advance"
+
+
+def _invariants(machine: CacheMachine) -> None:
+    machine.manager_consistent()
+    machine.cached_set_matches_model()
+    machine.sequences_match_model()
+    machine.kv_bytes_unchanged()
+
+
+def stress(policy: str | Callable[[], Policy], ops: int = 1_000_000, *, seed: int = 0,
+           steps_per_run: int = 200, num_blocks: int = 12, block_size: int = 4,
+           tensor: bool = False, **policy_params: Any) -> dict[str, Any]:
+    """Drive the shared machine's rules with a seeded RNG for ``ops`` operations, checking
+    every invariant after each one, on fresh machines of ``steps_per_run`` steps.
+
+    The rules and checks are the machine's own (what `machine_for` runs under Hypothesis),
+    so a failure here is a failure there; it raises `AssertionError` naming the seed, the
+    run and the step to reproduce it. Returns the counts by rule and the seconds taken.
+    """
+    import time
+
+    cls = machine_for(policy, num_blocks=num_blocks, block_size=block_size, tensor=tensor,
+                      **policy_params)
+    rng = np.random.default_rng(seed)
+    counts: dict[str, int] = {}
+    start = time.perf_counter()
+    done = 0
+    run = 0
+    while done < ops:
+        machine = cls()
+        running: list[int] = []
+        preempted: list[int] = []
+        for step in range(min(steps_per_run, ops - done)):
+            try:
+                name = _stress_step(machine, rng, running, preempted)
+                _invariants(machine)
+            except Exception as exc:
+                raise AssertionError(f"stress({policy!r}, seed={seed}): run {run} step {step}: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+            counts[name] = counts.get(name, 0) + 1
+            done += 1
+        machine.teardown()
+        run += 1
+    return {"ops": done, "runs": run, "seconds": time.perf_counter() - start,
+            "by_rule": dict(sorted(counts.items()))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvevict.testing [--ops N] [--policy NAME ...] [--seed S]``: the stress
+    run of docs/testing.md, one line per policy."""
+    import argparse
+
+    from kvevict.policies.registry import available_policies
+
+    parser = argparse.ArgumentParser(description="Stress the shared stateful machine: random "
+                                     "operations per policy, every invariant after each")
+    parser.add_argument("--ops", type=int, default=1_000_000, help="operations per policy")
+    parser.add_argument("--policy", action="append", help="a registered policy (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor", action="store_true", help="with a real KV tensor")
+    args = parser.parse_args(argv)
+    for name in args.policy or available_policies():
+        out = stress(name, args.ops, seed=args.seed, tensor=args.tensor)
+        print(f"{name:<12} {out['ops']:>9} ops in {out['runs']} runs, 0 violations, "
+              f"{out['seconds']:.0f} s ({out['ops'] / out['seconds']:.0f} ops/s)  "
+              f"{out['by_rule']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
