@@ -62,6 +62,7 @@ from kvevict.errors import (
     PolicyError,
     TraceFormatError,
 )
+from kvevict.hashing import block_hashes, hash_block
 from kvevict.layout import KVLayout, from_hf_config
 from kvevict.manager import CacheStats, InvariantError, KVCacheManager, LookupResult, Sequence
 from kvevict.policies import (
@@ -81,7 +82,7 @@ from kvevict.policies import (
 )
 from kvevict.policies.registry import build_policy, is_offline
 from kvevict.pool import BlockPool
-from kvevict.prefix import PrefixTree, block_hashes, hash_block
+from kvevict.prefix import PrefixTree
 from kvevict.run import SimResult
 from kvevict.scheduler import Scheduler, SchedulerConfig
 from kvevict.sim import simulate

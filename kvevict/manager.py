@@ -18,7 +18,7 @@ chained hash, child counts, the candidate set), `Pins` (explicit retention) and 
   exception).
 
 Every request is normalized at the boundary into a chain of block hashes plus a count of
-token slots: a token request is hashed (`kvevict.prefix.block_hashes`) and its chain grows as
+token slots: a token request is hashed (`kvevict.hashing.block_hashes`) and its chain grows as
 decode appends fill blocks; a trace request brings its chain. Past that point there is one
 hit loop, one caching path and one eviction loop, and the policy is reached only through the
 `Policy` protocol.
@@ -51,11 +51,12 @@ import numpy as np
 
 from kvevict.admission import Admission, AlwaysAdmit
 from kvevict.errors import AdmissionDeferred, ConfigError, OutOfBlocks, PolicyError
+from kvevict.hashing import ROOT_HASH, block_hashes, hash_block
 from kvevict.invariants import InvariantError, check_manager
 from kvevict.pins import Pins
 from kvevict.policies.base import Policy, make_policy
 from kvevict.pool import BlockPool
-from kvevict.prefix import ROOT_HASH, PrefixTree, block_hashes, hash_block
+from kvevict.prefix import PrefixTree
 from kvevict.types import BlockInfo, ManualClock, Request, as_token_array
 
 __all__ = ["CacheStats", "InvariantError", "KVCacheManager", "LookupResult", "Sequence"]

@@ -23,8 +23,8 @@ import attrs
 import numpy as np
 
 from kvevict.cost import CostModel
+from kvevict.hashing import block_hashes
 from kvevict.manager import KVCacheManager
-from kvevict.prefix import block_hashes
 from kvevict.scheduler import Executor, RequestState, Scheduler, StepOutput, StepPlan
 from kvevict.types import ManualClock, Request
 

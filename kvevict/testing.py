@@ -46,11 +46,11 @@ from hypothesis.stateful import (
 )
 
 from kvevict.errors import OutOfBlocks
+from kvevict.hashing import ROOT_HASH, block_hashes
 from kvevict.layout import KVLayout
 from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy, make_policy
 from kvevict.pool import BlockPool
-from kvevict.prefix import ROOT_HASH, block_hashes
 from kvevict.types import WORKLOAD_CLASSES, BlockInfo, ManualClock, Request, RetentionHint
 
 __all__ = [

@@ -25,11 +25,11 @@ from kvevict.engine.executor import EngineExecutor, check_time_scale
 from kvevict.engine.memory import kv_placement, process_memory, reset_peak_rss
 from kvevict.engine.model import LlamaModel
 from kvevict.errors import ConfigError
+from kvevict.hashing import block_hashes
 from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy
 from kvevict.policies.registry import POLICIES, build_policy, is_offline
 from kvevict.pool import BlockPool
-from kvevict.prefix import block_hashes
 from kvevict.run import RequestRecord, SimResult, collect, drive
 from kvevict.scheduler import Scheduler, SchedulerConfig
 from kvevict.types import ManualClock, Request

@@ -42,8 +42,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvevict.errors import ConfigError
+from kvevict.hashing import block_hashes
 from kvevict.policies.base import ScoredPolicy, register_policy
-from kvevict.prefix import block_hashes
 from kvevict.types import BlockInfo, Request
 
 __all__ = ["Belady", "request_times"]
@@ -128,7 +128,7 @@ class Belady(ScoredPolicy):
         Args:
             requests: the requests, in the order they will begin.
             block_size: tokens per block; needed when any request gives ``tokens`` (hashed
-                with `kvevict.prefix.block_hashes`, as the manager does). Requests given as
+                with `kvevict.hashing.block_hashes`, as the manager does). Requests given as
                 ``block_hashes`` use their ids as they are.
             extra_key: the manager's ``extra_key``, for token-mode requests.
             time: the clock value at which each request begins: ``"index"`` (request ``i``

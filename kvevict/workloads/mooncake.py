@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kvevict.errors import ConfigError, TraceFormatError
-from kvevict.prefix import block_hashes as _token_block_hashes
+from kvevict.hashing import block_hashes as _token_block_hashes
 from kvevict.types import Request
 
 __all__ = [
