@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from kvevict.policies.market.price import ReuseModel
@@ -31,6 +31,8 @@ __all__ = ["PriceIndex", "RecencyQueue"]
 
 #: ``shared_log_p(block, now)``: log reuse probability of a shared block (the sharer union).
 SharedPricer = Callable[[BlockInfo, float], float]
+#: ``model_of(key)``: the `ReuseModel` of a new queue's key, None for a shared queue.
+ModelOf = Callable[[tuple], "ReuseModel | None"]
 
 
 class RecencyQueue:
@@ -53,8 +55,9 @@ class RecencyQueue:
 class PriceIndex:
     """Candidates by price class, and the cheapest of them at a clock time."""
 
-    def __init__(self, shared_log_p: SharedPricer) -> None:
+    def __init__(self, shared_log_p: SharedPricer, model_of: ModelOf) -> None:
         self.shared_log_p = shared_log_p
+        self.model_of = model_of
         #: price evaluations so far (one per queue head priced)
         self.evaluations = 0
         self.queues: dict[tuple, RecencyQueue] = {}
@@ -75,27 +78,29 @@ class PriceIndex:
 
     # -- membership ------------------------------------------------------------------------
 
-    def add(self, block: BlockInfo, key: tuple, model: Callable[[], ReuseModel | None],
-            log_c: float) -> None:
-        """Index candidate ``block`` under ``key``; ``model()`` gives a new queue's model."""
+    def add(self, block: BlockInfo, key: tuple, log_c: float) -> None:
+        """Index candidate ``block`` under ``key`` (a new queue's model from ``model_of``)."""
         q = self.queues.get(key)
         if q is None:
-            q = self.queues[key] = RecencyQueue(key, model(), log_c)
+            q = self.queues[key] = RecencyQueue(key, self.model_of(key), log_c)
         self._seq += 1
         block_id = block.block_id
         entry = (block.last_access_tick, self._seq, block_id, block, q)
         live = self.live
-        old = live.get(block_id)
-        if old is not None:  # defensive: a repeated on_candidate replaces the old entry
+        if block_id in live:  # defensive: a repeated on_candidate replaces the old entry
             self.remove(block_id)
         live[block_id] = entry
         heap = q.heap
         heapq.heappush(heap, entry)
         q.n += 1
-        while live.get(heap[0][2]) is not heap[0]:
-            heapq.heappop(heap)
-        if heap[0] is entry:
+        top = heap[0]
+        if top is entry:  # the new head (the queue's price changes)
             self._dirty.add(q)
+        elif live.get(top[2]) is not top:  # a dead top: drop the dead, then look again
+            while live.get(heap[0][2]) is not heap[0]:
+                heapq.heappop(heap)
+            if heap[0] is entry:
+                self._dirty.add(q)
         if len(heap) > 2 * q.n + 64:
             q.heap = [e for e in heap if live.get(e[2]) is e]
             heapq.heapify(q.heap)
@@ -156,22 +161,14 @@ class PriceIndex:
         if not live:
             return None
         hc = self._hc
-        price = self.entry_log_price
         if (now != self._hc_now or version != self._hc_version
                 or len(hc) > 4 * len(self.queues) + 64):
             hc.clear()
             self._dirty.clear()
-            for q in self.queues.values():
-                entry = self._head(q)
-                if entry is not None:
-                    hc.append((price(entry, now), entry[0], entry[1], entry))
-            heapq.heapify(hc)
+            self._price_heads(self.queues.values(), now)
             self._hc_now, self._hc_version = now, version
         elif self._dirty:
-            for q in self._dirty:
-                entry = self._head(q)
-                if entry is not None:
-                    heapq.heappush(hc, (price(entry, now), entry[0], entry[1], entry))
+            self._price_heads(self._dirty, now)
             self._dirty.clear()
         while hc:
             entry = hc[0][3]
@@ -180,6 +177,34 @@ class PriceIndex:
             heapq.heappop(hc)
         self._hc_now = None  # cannot happen while candidates exist; rebuild next time
         return None
+
+    def _price_heads(self, queues: Iterable[RecencyQueue], now: float) -> None:
+        """Push ``(log price, tick, seq, entry)`` of the head of each of ``queues`` into the
+        head-price heap (the private ones priced inline: `entry_log_price` without a call)."""
+        live = self.live
+        hc = self._hc
+        put = heapq.heappush
+        exp, log1p = math.exp, math.log1p
+        n = 0
+        for q in queues:
+            heap = q.heap
+            while heap:
+                entry = heap[0]
+                if live.get(entry[2]) is entry:
+                    break
+                heapq.heappop(heap)
+            else:
+                continue
+            n += 1
+            if q.shared:
+                put(hc, (q.log_c + self.shared_log_p(entry[3], now), entry[0], entry[1],
+                         entry))
+                continue
+            m = q.model
+            z = (now - entry[3].last_access) * m.r - m.L
+            sp = z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z))
+            put(hc, (q.log_c + m.log_hf - sp, entry[0], entry[1], entry))
+        self.evaluations += n
 
     def _sorted_entries(self, q: RecencyQueue) -> Iterator[tuple]:
         """The live entries of ``q`` in queue order, lazily (a walk of the heap)."""

@@ -88,6 +88,8 @@ class ReuseLearner:
         self.version = 0
         self.synced_now: float | None = None
         self._models: dict[tuple[str, int], ReuseModel] = {}
+        self._class_models: dict[str, list[tuple[int, ReuseModel]]] = {}  # the same, by class
+        self._dirty_classes: set[str] = set()  # observed since the last sync
         self._stats: dict[str, ClassStats] = {}
         self._fifo: dict[str, deque] = {}  # open trials per class, by start time
         self._stats_dirty = False
@@ -101,15 +103,24 @@ class ReuseLearner:
 
     def estimate(self, cls: str, tb: int) -> tuple[float, float]:
         """Current (p_return, mean_reuse_s) of ``cls`` in turn bucket ``tb``."""
-        cp = self.params(cls)
-        p, mu = cp.p_return[tb], cp.mean_reuse_s
+        return self._p_return(cls, tb), self._mean_reuse(cls)
+
+    def _p_return(self, cls: str, tb: int) -> float:
+        p = self.params(cls).p_return[tb]
         st = self._stats.get(cls) if self.learn else None
         if st is not None:
             w = self.prior_weight
             p = (w * p + st.succ[tb]) / (w + st.succ[tb] + st.fail[tb])
+        return min(max(p, _P_MIN), _P_MAX)
+
+    def _mean_reuse(self, cls: str) -> float:
+        mu = self.params(cls).mean_reuse_s
+        st = self._stats.get(cls) if self.learn else None
+        if st is not None:
+            w = self.prior_weight
             log_mu = (w * (math.log(mu) - _EULER) + st.log_gap_sum) / (w + st.n_gap) + _EULER
             mu = math.exp(log_mu)
-        return min(max(p, _P_MIN), _P_MAX), mu
+        return mu
 
     def model(self, cls: str, tb: int) -> ReuseModel:
         """The `ReuseModel` of (``cls``, ``tb``), kept current by `sync`."""
@@ -117,6 +128,7 @@ class ReuseLearner:
         if model is None:
             model = self._models[(cls, tb)] = ReuseModel()
             model.set(*self.estimate(cls, tb), self.horizon)
+            self._class_models.setdefault(cls, []).append((tb, model))
         return model
 
     def class_estimate(self, cls: str) -> ClassEstimate:
@@ -137,10 +149,18 @@ class ReuseLearner:
         if self.learn:
             self._expire(now)
         if self._stats_dirty:
+            # Only the observed classes' estimates moved. One table per class: its gap
+            # model (mu, 1/mu, log(1 - exp(-H/mu))) once, then each bucket's p.
             self._stats_dirty = False
-            horizon = self.horizon
-            for (cls, tb), model in self._models.items():
-                model.set(*self.estimate(cls, tb), horizon)
+            for cls in self._dirty_classes:
+                models = self._class_models.get(cls)
+                if not models:
+                    continue
+                mu = self._mean_reuse(cls)
+                r, log_hf = ReuseModel.gap_terms(mu, self.horizon)
+                for tb, model in models:
+                    model.update(self._p_return(cls, tb), mu, r, log_hf)
+            self._dirty_classes.clear()
             self.version += 1
 
     # -- learning --------------------------------------------------------------------------
@@ -158,6 +178,7 @@ class ReuseLearner:
             st.log_gap_sum += math.log(max(gap, _MIN_GAP_S))
             st.n_gap += 1.0
         self._stats_dirty = True
+        self._dirty_classes.add(cls)
 
     def _open_trial(self, rec: SessionRecord, now: float) -> None:
         rec.pending = True

@@ -41,6 +41,8 @@ from kvevict.types import BlockInfo
 
 __all__ = ["Market"]
 
+_NOBODY = object()  # a session id no request has
+
 
 @register_policy("market")
 class Market(Policy):
@@ -144,9 +146,14 @@ class Market(Policy):
         self.learner = ReuseLearner(params, default_class, self.horizon, learn,
                                     self.prior_weight, self.memory, max_sessions)
         #: the candidate index ordered by price
-        self.index = PriceIndex(self._shared_log_p)
+        self.index = PriceIndex(self._shared_log_p, self._model_of)
         self._costs = CostBuckets(cost_model, block_size, cost_resolution)
+        self._cost_table = self._costs.table
         self._sessions = self.learner.sessions
+        # (session, now) of the last hit that went through the learner: the following hits
+        # of the same request need nothing from it (see on_hit)
+        self._hit_session: Any = _NOBODY
+        self._hit_now: float | None = None
         # block id -> [block, its most recent sharers]; at most one entry per pool block
         self._sharer_log: dict[int, list] = {}
 
@@ -189,13 +196,19 @@ class Market(Policy):
         if rec is not None and (depth or rec.last_begin == now):
             rec.cls = block.workload_class
             return
+        self._hit_session = _NOBODY  # a record may be created or forgotten
         self.learner.touch(session, block.workload_class, now, True, depth == 0)
 
     def on_hit(self, block: BlockInfo, now: float) -> None:
         session = block.last_hit_session
-        rec = self._sessions.get(session)
-        if rec is None or rec.last_begin != now:
-            self.learner.touch(session, block.workload_class, now, False, True)
+        if session is not self._hit_session or now != self._hit_now:
+            # The first hit of a request begins the session's turn (the learner's touch);
+            # after it the session's record has begun at ``now``, so the request's other
+            # hits would not touch again, until another touch creates or drops a record.
+            rec = self._sessions.get(session)
+            if rec is None or rec.last_begin != now:
+                self.learner.touch(session, block.workload_class, now, False, True)
+            self._hit_session, self._hit_now = session, now
         if block.num_sharers > 1:
             tracked = self._sharer_log.get(block.block_id)
             if tracked is None or tracked[0] is not block:
@@ -235,7 +248,8 @@ class Market(Policy):
         rec = self._sessions.get(block.last_hit_session if k > 1 else block.session)
         if rec is not None and block.last_access == now:
             rec.last_seen = now  # a release: the session's idle time starts here
-        log_c = self._costs.of(block)[0]
+        cost = self._cost_table.get((block.depth, block.nbytes))
+        log_c = (cost if cost is not None else self._costs.of(block))[0]
         cls = block.workload_class
         if k > 1:
             tb = -((k - 1).bit_length())  # sharer bucket: 2, 3-4, 5-8, ...
@@ -244,9 +258,12 @@ class Market(Policy):
         else:
             turns = rec.turns
             tb = 0 if turns < 2 else min(NUM_TURN_BUCKETS - 1, turns.bit_length() - 1)
-        learner = self.learner
-        self.index.add(block, (cls, tb, log_c),
-                       lambda: learner.model(cls, tb) if tb >= 0 else None, log_c)
+        self.index.add(block, (cls, tb, log_c), log_c)
+
+    def _model_of(self, key: tuple) -> ReuseModel | None:
+        """The reuse model of a new queue ``(class, bucket, log cost)``: None when shared."""
+        cls, tb, _ = key
+        return self.learner.model(cls, tb) if tb >= 0 else None
 
     def on_uncandidate(self, block: BlockInfo, now: float) -> None:
         self.index.remove(block.block_id)
@@ -258,21 +275,45 @@ class Market(Policy):
     # -- prices ----------------------------------------------------------------------------
 
     def _shared_log_p(self, block: BlockInfo, now: float) -> float:
-        """log P(at least one sharer comes back within the horizon)."""
+        """log P(at least one sharer comes back within the horizon).
+
+        `union_log_p` of the sharers' ``log q``, in one pass when every sharer is tracked
+        (the same operations in the same order, so the same float): consecutive sharers in
+        the same class and turn share one model lookup.
+        """
         log = self._sharers_of(block)
-        cls = block.workload_class
         sessions = self._sessions
         model = self.learner.model
+        exp, log1p = math.exp, math.log1p
         log_qs = []
         oldest, oldest_t = 0, math.inf
+        total = 0.0
+        certain = False  # some q >= 1: the union is 1
+        m = None
+        m_cls, m_turns = None, 0
         for session, t in log.items():
             rec = sessions.get(session)
-            m = model(rec.cls, turn_bucket(rec.turns)) if rec is not None else model(cls, 0)
+            if rec is None:
+                m = model(block.workload_class, 0)
+                m_cls = None
+            elif rec.turns != m_turns or rec.cls != m_cls or m_cls is None:
+                m_cls, m_turns = rec.cls, rec.turns
+                m = model(m_cls, turn_bucket(m_turns))
             if t < oldest_t:
                 oldest, oldest_t = len(log_qs), t
-            log_qs.append(m.log_q(now - t))
+            z = (now - t) * m.r - m.L  # m.log_q(now - t), inlined
+            lq = m.log_hf - (z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z)))
+            log_qs.append(lq)
+            q = exp(lq)
+            if q >= 1.0:
+                certain = True
+            elif not certain:
+                total += log1p(-q)
         extra = max(0, block.num_sharers - len(log_qs))  # untracked: at the oldest's odds
-        return union_log_p(log_qs, oldest, extra)
+        if extra or certain or not log_qs:
+            return union_log_p(log_qs, oldest, extra)
+        p = -math.expm1(total)
+        return math.log(p) if p > 0.0 else union_log_p(log_qs, oldest, extra)
 
     def _log_price(self, block: BlockInfo, now: float) -> tuple[float, float]:
         """(log price, log reuse probability) of any cached block, as if a candidate now."""

@@ -190,11 +190,21 @@ class ReuseModel:
 
     def set(self, p: float, mu: float, horizon: float) -> None:
         """Take the return probability ``p`` (in (0, 1)) and mean gap ``mu`` (seconds)."""
+        self.update(p, mu, *self.gap_terms(mu, horizon))
+
+    @staticmethod
+    def gap_terms(mu: float, horizon: float) -> tuple[float, float]:
+        """``(1 / mu, log(1 - exp(-horizon / mu)))``: what the price needs of the gap model,
+        the same for every turn bucket of a class."""
+        hf = -math.expm1(-horizon / mu)
+        return 1.0 / mu, math.log(hf) if hf > 0 else -math.inf
+
+    def update(self, p: float, mu: float, r: float, log_hf: float) -> None:
+        """Take ``p`` and the gap terms of `gap_terms`."""
         self.p, self.mu = p, mu
         self.L = math.log(p / (1.0 - p))
-        self.r = 1.0 / mu
-        hf = -math.expm1(-horizon / mu)
-        self.log_hf = math.log(hf) if hf > 0 else -math.inf
+        self.r = r
+        self.log_hf = log_hf
 
     def log_q(self, idle: float) -> float:
         """log P(a reuse within the horizon | no return after ``idle`` seconds)."""
