@@ -89,10 +89,10 @@ class _State:
 
     __slots__ = ("block", "failed", "kind_type", "pair", "pkey", "session", "xkey")
 
-    def __init__(self, block: BlockInfo, pair: int) -> None:
+    def __init__(self, block: BlockInfo, pair: int, kind_type: int) -> None:
         self.block = block
         # what never changes while the block is cached: its type unless shared, its session
-        self.kind_type = _KIND_TYPE.get(block.kind, _PROMPT)
+        self.kind_type = kind_type
         self.session = block.session
         self.pair = pair  # pair of the current residency period
         self.failed = False  # the current period already ended in a failure (idle)
@@ -322,7 +322,8 @@ class BayesReuse(Policy):
             self._close(state, evicted=self.count_evictions)
             state = None
         if state is None:
-            state = _State(block, self._start_pair(block, transition))
+            state = _State(block, self._start_pair(block, transition),
+                           _KIND_TYPE.get(block.kind, _PROMPT))
             self._states[block.block_id] = state
         return state
 
@@ -332,15 +333,20 @@ class BayesReuse(Policy):
     def on_insert(self, block: BlockInfo, now: float) -> None:
         if now != self._expired_at:
             self._expire(now)
-        state = self._states.get(block.block_id)
+        block_id = block.block_id
+        state = self._states.get(block_id)
         if state is not None and state.block is block:
             state.pair = ((_SHARED if block.num_sharers >= 2 else state.kind_type) * 4
                           + _CREATED.get(block.created_by, 0))  # _start_pair(block, None)
             state.failed = False
-        else:  # _track: a new period (closing the old block of a reused id first)
-            if state is not None:
-                self._close(state, evicted=self.count_evictions)
-            self._states[block.block_id] = _State(block, self._start_pair(block, None))
+            return
+        # _track: a new period (closing the old block of a reused id first)
+        if state is not None:
+            self._close(state, evicted=self.count_evictions)
+        kind_type = _KIND_TYPE.get(block.kind, _PROMPT)
+        self._states[block_id] = _State(
+            block, (_SHARED if block.num_sharers >= 2 else kind_type) * 4
+            + _CREATED.get(block.created_by, 0), kind_type)
 
     def on_hit(self, block: BlockInfo, now: float) -> None:
         if now != self._expired_at:
@@ -426,7 +432,12 @@ class BayesReuse(Policy):
             self._expire(now)
         state = self._states.get(block.block_id)
         if state is not None and state.block is block:
-            self._close(state, evicted=self.count_evictions)
+            if state.pkey is not None or state.xkey is not None:
+                self._uncandidate(state, now)
+            if self.count_evictions and not state.failed:  # _close, inlined
+                self.failures[state.pair] += 1
+                self._stale_means.add(state.pair)
+            del self._states[block.block_id]
 
     # -- idle failures ---------------------------------------------------------------------
 
