@@ -185,6 +185,7 @@ class BayesReuse(Policy):
         self._expired_at: float | None = None  # clock time of the last `_expire`
         self._states: dict[int, _State] = {}
         self._heaps: list[list[tuple]] = [[] for _ in range(_NPAIRS)]
+        self._occupied: set[int] = set()  # pairs whose heap holds entries (live or stale)
         self._live = [0] * _NPAIRS  # live (non-failed) candidates per pair
         self._expiry: list[tuple] = []  # (last_access + horizon, tick, id) of live candidates
         self._failed: list[tuple] = []  # heap of the same tuples: failed candidates
@@ -392,6 +393,8 @@ class BayesReuse(Policy):
         state.pkey = (self.cost_per_byte(block) if cost is None else cost, tick, block_id)
         heap = self._heaps[state.pair]
         heapq.heappush(heap, state.pkey)
+        if len(heap) == 1:
+            self._occupied.add(state.pair)
         self._live[state.pair] += 1
         if len(heap) > 2 * self._live[state.pair] + 64:
             self._compact_pair(state.pair)
@@ -485,7 +488,10 @@ class BayesReuse(Policy):
                 stale += 1
             best: tuple | None = None
             compared = 0
-            for pair, heap in enumerate(self._heaps):
+            heaps = self._heaps
+            emptied = None
+            for pair in self._occupied:  # the least is unique: any order gives it
+                heap = heaps[pair]
                 while heap:
                     key = heap[0]
                     state = states.get(key[2])
@@ -494,12 +500,15 @@ class BayesReuse(Policy):
                     heapq.heappop(heap)
                     stale += 1
                 if not heap:
+                    emptied = [pair] if emptied is None else [*emptied, pair]
                     continue
                 compared += 1
                 key = heap[0]
                 cand = (means[pair] * key[0], key[1], key[2])
                 if best is None or cand < best:
                     best = cand
+            if emptied is not None:
+                self._occupied.difference_update(emptied)
             self.victim_stats["head_comparisons"] += compared
             return None if best is None else best[2]
         finally:
@@ -515,6 +524,10 @@ class BayesReuse(Policy):
                 if (s := states.get(k[2])) is not None and s.pkey is k]
         heapq.heapify(heap)
         self._heaps[pair] = heap
+        if heap:
+            self._occupied.add(pair)
+        else:
+            self._occupied.discard(pair)
 
     def _compact_expiry(self) -> None:
         states = self._states
