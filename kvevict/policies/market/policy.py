@@ -269,8 +269,9 @@ class Market(Policy):
         self.index.remove(block.block_id)
 
     def on_evict(self, block: BlockInfo, now: float) -> None:
-        self.index.remove(block.block_id)
-        self._sharer_log.pop(block.block_id, None)
+        block_id = block.block_id
+        self.index.remove(block_id)
+        self._sharer_log.pop(block_id, None)
 
     # -- prices ----------------------------------------------------------------------------
 
