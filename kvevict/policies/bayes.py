@@ -474,47 +474,51 @@ class BayesReuse(Policy):
             beta = np.add(self.prior_beta, self.failures)
             means = self.rng.beta(alpha, beta).tolist()  # type: ignore[union-attr]
         else:
-            means = self._current_means()
+            means = self._current_means() if self._stale_means else self._means
         states = self._states
+        stats = self.victim_stats
+        stats["victim_calls"] += 1
         stale = 0
-        try:
-            failed = self._failed
-            while failed:
-                key = failed[0]
-                state = states.get(key[2])
-                if state is not None and state.xkey is key and state.pkey is None:
-                    return key[2]
-                heapq.heappop(failed)
-                stale += 1
-            best: tuple | None = None
-            compared = 0
-            heaps = self._heaps
-            emptied = None
-            for pair in self._occupied:  # the least is unique: any order gives it
-                heap = heaps[pair]
-                while heap:
-                    key = heap[0]
-                    state = states.get(key[2])
-                    if state is not None and state.pkey is key:
-                        break
-                    heapq.heappop(heap)
-                    stale += 1
-                if not heap:
-                    emptied = [pair] if emptied is None else [*emptied, pair]
-                    continue
-                compared += 1
+        failed = self._failed
+        while failed:
+            key = failed[0]
+            state = states.get(key[2])
+            if state is not None and state.xkey is key and state.pkey is None:
+                if stale:
+                    stats["stale_pops"] += stale
+                return key[2]
+            heapq.heappop(failed)
+            stale += 1
+        # the least (score, tick, id) over the pairs' heads; unique, so any visiting order
+        best: tuple | None = None
+        best_score = 0.0
+        compared = 0
+        heaps = self._heaps
+        emptied = None
+        for pair in self._occupied:
+            heap = heaps[pair]
+            while heap:
                 key = heap[0]
-                cand = (means[pair] * key[0], key[1], key[2])
-                if best is None or cand < best:
-                    best = cand
-            if emptied is not None:
-                self._occupied.difference_update(emptied)
-            self.victim_stats["head_comparisons"] += compared
-            return None if best is None else best[2]
-        finally:
-            stats = self.victim_stats
-            stats["victim_calls"] += 1
+                state = states.get(key[2])
+                if state is not None and state.pkey is key:
+                    break
+                heapq.heappop(heap)
+                stale += 1
+            if not heap:
+                emptied = [pair] if emptied is None else [*emptied, pair]
+                continue
+            compared += 1
+            key = heap[0]
+            score = means[pair] * key[0]
+            if (best is None or score < best_score
+                    or (score == best_score and (key[1], key[2]) < (best[1], best[2]))):
+                best, best_score = key, score
+        if emptied is not None:
+            self._occupied.difference_update(emptied)
+        stats["head_comparisons"] += compared
+        if stale:
             stats["stale_pops"] += stale
+        return None if best is None else best[2]
 
     # -- compaction ----------------------------------------------------------------------
 
