@@ -8,7 +8,9 @@ prompt block looked up, hit or miss) goes through:
   far less than kvevict: no prefix stop (it counts hits after a miss), no prefix tree, no
   leaves-only eviction, no reference counts, no partial blocks, no policy, no statistics;
 - ``replay-<policy>``: `kvevict.replay.replay` (the plain block-level replay through
-  `KVCacheManager`: begin + finish per request, one at a time);
+  `KVCacheManager`: begin + finish per request, one at a time), for lru, market and bayes;
+  ``replay-market`` and ``replay-bayes`` are also reported as a ratio to ``replay-lru``
+  (target: at most 2x, issue 11);
 - ``sim-<policy>``: `kvevict.sim.simulate` with ``timing=False``, the simulator's path
   (scheduler, zero-cost executor, per-request records, infinite-cache hits), which gives the
   same hits as the replay.
@@ -75,6 +77,7 @@ from kvevict.workloads import (
 
 GROUP = "sim-throughput"
 TARGET = 5.0  # kvevict at most this many times slower than the bare loop
+POLICY_TARGET = 2.0  # replay-market and replay-bayes at most this many times replay-lru
 BLOCK_SIZE = 16
 BENCH_SCALE = float(os.environ.get("KVEVICT_BENCH_SIM_SCALE", "8"))
 BENCH_CAPACITY = int(os.environ.get("KVEVICT_BENCH_SIM_CAPACITY", "20000"))
@@ -195,6 +198,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Stream, int], Run]] = {
     "floor-lru": floor_lru,
     "replay-lru": lambda s, c: run_replay(s, "lru", c),
     "replay-market": lambda s, c: run_replay(s, "market", c),
+    "replay-bayes": lambda s, c: run_replay(s, "bayes", c),
     "sim-lru": lambda s, c: run_sim(s, "lru", c),
     "sim-market": lambda s, c: run_sim(s, "market", c),
 }
@@ -270,6 +274,11 @@ def test_replay_lru(benchmark) -> None:
 @pytest.mark.benchmark(group=GROUP)
 def test_replay_market(benchmark) -> None:
     _bench(benchmark, "replay-market")
+
+
+@pytest.mark.benchmark(group=GROUP)
+def test_replay_bayes(benchmark) -> None:
+    _bench(benchmark, "replay-bayes")
 
 
 @pytest.mark.benchmark(group=GROUP)
@@ -361,6 +370,10 @@ def main(argv: list[str] | None = None) -> None:
             ratio = best[name] / base
             print(f"{name} / bare-lru = {ratio:.2f}x (target <= {TARGET:g}x): "
                   f"{'OK' if ratio <= TARGET else 'ABOVE TARGET'}")
+    for name in ("replay-market", "replay-bayes"):
+        ratio = best[name] / best["replay-lru"]
+        print(f"{name} / replay-lru = {ratio:.2f}x (per-request replay cost; target <= "
+              f"{POLICY_TARGET:g}x): {'OK' if ratio <= POLICY_TARGET else 'ABOVE TARGET'}")
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     if best["sim-lru"] / base > TARGET and not args.no_profile:
         profile_sim(stream, capacity)

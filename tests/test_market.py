@@ -463,3 +463,44 @@ def test_admission_needs_a_market():
         MarketAdmission(make_policy("lru"))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="k must"):
         Market().cheapest(-1, 0.0)
+
+
+# -- package layout and the learner's view of turns --------------------------------------------
+
+
+def test_package_reexports_and_public_class_parameters():
+    import kvevict.policies as policies
+    from kvevict.policies.market import admission, index, learner, policy, price
+
+    assert policies.Market is policy.Market is Market
+    assert policies.MarketAdmission is admission.MarketAdmission is MarketAdmission
+    assert DEFAULT_CLASS_PARAMS is price.DEFAULT_CLASS_PARAMS
+    market = Market(class_params={"batch": {"weight": 0.05}})
+    assert isinstance(market.learner, learner.ReuseLearner)
+    assert isinstance(market.index, index.PriceIndex)
+    assert market.params("batch").weight == 0.05
+    assert market.params("no-such-class") == DEFAULT_CLASS_PARAMS["chat"]  # default_class
+    adm = MarketAdmission(market)
+    assert adm.weight("batch") == 0.05 and adm.is_deferrable("batch")
+    assert not adm.is_deferrable("chat")
+
+
+def test_turns_count_once_per_instant_and_restart_for_a_forgotten_session():
+    market = Market()
+    m, clock = new_manager(market, 64)
+    prompt = tokens(100, 2 * BS)
+    for i, t in enumerate((0, 10, 20, 20)):  # the two requests at t=20 are one turn
+        use(m, clock, t, prompt + tokens(1000 * (i + 1), BS), f"a{i}", session_id="a")
+    assert market.learner.sessions["a"].turns == 3
+    # with room for one session record, a session that was forgotten starts over, also when
+    # it comes back at the instant another session was begun
+    market = Market(max_sessions=1)
+    m, clock = new_manager(market, 64)
+    use(m, clock, 0, prompt, "a0", session_id="a")
+    use(m, clock, 1, tokens(500, 2 * BS), "b0", session_id="b")
+    use(m, clock, 2, prompt + tokens(900, BS), "a1", session_id="a")
+    use(m, clock, 2, tokens(500, 2 * BS), "b1", session_id="b")
+    use(m, clock, 2, prompt + tokens(800, BS), "a2", session_id="a")
+    assert list(market.learner.sessions) == ["a"]
+    assert market.learner.sessions["a"].turns == 1
+    m.check()

@@ -87,10 +87,13 @@ def _block_type(block: BlockInfo) -> int:
 class _State:
     """Per-block bookkeeping (every cached block the policy has heard of)."""
 
-    __slots__ = ("block", "failed", "pair", "pkey", "xkey")
+    __slots__ = ("block", "failed", "kind_type", "pair", "pkey", "session", "xkey")
 
-    def __init__(self, block: BlockInfo, pair: int) -> None:
+    def __init__(self, block: BlockInfo, pair: int, kind_type: int) -> None:
         self.block = block
+        # what never changes while the block is cached: its type unless shared, its session
+        self.kind_type = kind_type
+        self.session = block.session
         self.pair = pair  # pair of the current residency period
         self.failed = False  # the current period already ended in a failure (idle)
         self.pkey: tuple | None = None  # entry in the pair heap while a live candidate
@@ -178,8 +181,11 @@ class BayesReuse(Policy):
         self.failures = [0] * _NPAIRS
         self._means = [self.prior_alpha[p] / (self.prior_alpha[p] + self.prior_beta[p])
                        for p in range(_NPAIRS)]
+        self._stale_means: set[int] = set()  # pairs whose counts changed since _means
+        self._expired_at: float | None = None  # clock time of the last `_expire`
         self._states: dict[int, _State] = {}
         self._heaps: list[list[tuple]] = [[] for _ in range(_NPAIRS)]
+        self._occupied: set[int] = set()  # pairs whose heap holds entries (live or stale)
         self._live = [0] * _NPAIRS  # live (non-failed) candidates per pair
         self._expiry: list[tuple] = []  # (last_access + horizon, tick, id) of live candidates
         self._failed: list[tuple] = []  # heap of the same tuples: failed candidates
@@ -216,9 +222,21 @@ class BayesReuse(Policy):
             self.successes[pair] += 1
         else:
             self.failures[pair] += 1
-        a = self.prior_alpha[pair] + self.successes[pair]
-        b = self.prior_beta[pair] + self.failures[pair]
-        self._means[pair] = a / (a + b)
+        self._stale_means.add(pair)
+
+    def _current_means(self) -> list[float]:
+        """The posterior means, brought up to date for the pairs counted since the last read
+        (a request's hits and failures are batched into one division per pair)."""
+        stale = self._stale_means
+        if stale:
+            means, pa, pb = self._means, self.prior_alpha, self.prior_beta
+            succ, fail = self.successes, self.failures
+            for pair in stale:
+                a = pa[pair] + succ[pair]
+                b = pb[pair] + fail[pair]
+                means[pair] = a / (a + b)
+            stale.clear()
+        return self._means
 
     def posterior(self, now: float | None = None) -> dict[tuple[str, str], tuple[float, float]]:
         """``{(block_type, transition): (alpha, beta)}`` for all 16 pairs.
@@ -244,7 +262,7 @@ class BayesReuse(Policy):
 
     def posterior_mean(self, block_type: str, transition: str) -> float:
         """``alpha / (alpha + beta)`` of one pair."""
-        return self._means[self._pair_index((block_type, transition))]
+        return self._current_means()[self._pair_index((block_type, transition))]
 
     def pair_of(self, block_id: int) -> tuple[str, str] | None:
         """The (block_type, transition) of a tracked block's current period, else None."""
@@ -282,12 +300,13 @@ class BayesReuse(Policy):
     def score(self, block: BlockInfo, now: float) -> float:
         """The current score of a tracked block (posterior mean; 0 once its period failed)."""
         self._expire(now)
+        means = self._current_means()
         state = self._states.get(block.block_id)
         if state is None:
-            return self._means[self._start_pair(block, None)] * self.cost_per_byte(block)
+            return means[self._start_pair(block, None)] * self.cost_per_byte(block)
         if state.failed:
             return 0.0
-        return self._means[state.pair] * self.cost_per_byte(block)
+        return means[state.pair] * self.cost_per_byte(block)
 
     # -- events ----------------------------------------------------------------------------
 
@@ -304,34 +323,57 @@ class BayesReuse(Policy):
             self._close(state, evicted=self.count_evictions)
             state = None
         if state is None:
-            state = _State(block, self._start_pair(block, transition))
+            state = _State(block, self._start_pair(block, transition),
+                           _KIND_TYPE.get(block.kind, _PROMPT))
             self._states[block.block_id] = state
         return state
 
+    # Every event first counts the idle failures up to ``now`` (`_expire`), once per clock
+    # time: after it ran at ``now`` no live candidate can expire before ``now`` changes.
+
     def on_insert(self, block: BlockInfo, now: float) -> None:
-        self._expire(now)
-        state = self._track(block, None)
-        state.pair = self._start_pair(block, None)
-        state.failed = False
+        if now != self._expired_at:
+            self._expire(now)
+        block_id = block.block_id
+        state = self._states.get(block_id)
+        if state is not None and state.block is block:
+            state.pair = ((_SHARED if block.num_sharers >= 2 else state.kind_type) * 4
+                          + _CREATED.get(block.created_by, 0))  # _start_pair(block, None)
+            state.failed = False
+            return
+        # _track: a new period (closing the old block of a reused id first)
+        if state is not None:
+            self._close(state, evicted=self.count_evictions)
+        kind_type = _KIND_TYPE.get(block.kind, _PROMPT)
+        self._states[block_id] = _State(
+            block, (_SHARED if block.num_sharers >= 2 else kind_type) * 4
+            + _CREATED.get(block.created_by, 0), kind_type)
 
     def on_hit(self, block: BlockInfo, now: float) -> None:
-        self._expire(now)
+        if now != self._expired_at:
+            self._expire(now)
         state = self._states.get(block.block_id)
         if state is not None and state.block is block:
             if state.pkey is not None or state.xkey is not None:  # hits come after acquire
                 self._uncandidate(state, now)
-            if not state.failed:
-                self._update(state.pair, True)
+            if not state.failed:  # _update(pair, True)
+                self.successes[state.pair] += 1
+                self._stale_means.add(state.pair)
         else:
             state = self._track(block, None)
-        own = block.last_hit_session == block.session
-        state.pair = self._start_pair(block, _HIT_OWN if own else _HIT_OTHER)
+        bt = _SHARED if block.num_sharers >= 2 else state.kind_type
+        state.pair = bt * 4 + (_HIT_OWN if block.last_hit_session == state.session
+                               else _HIT_OTHER)
         state.failed = False
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
-        self._expire(now)
-        state = self._track(block, None)
-        if state.pkey is not None or state.xkey is not None:
+        if now != self._expired_at:
+            self._expire(now)
+        block_id = block.block_id
+        state = self._states.get(block_id)
+        if state is None or state.block is not block:
+            state = self._track(block, None)
+        elif state.pkey is not None or state.xkey is not None:
             self._uncandidate(state, now)  # offered twice: re-index
         tick = block.last_access_tick
         expires = block.last_access + self.horizon
@@ -339,13 +381,20 @@ class BayesReuse(Policy):
             if not state.failed:
                 state.failed = True
                 self._update(state.pair, False)
-            state.xkey = (expires, tick, block.block_id)
+            state.xkey = (expires, tick, block_id)
             heapq.heappush(self._failed, state.xkey)
             self._num_failed += 1
             return
-        state.pkey = (self.cost_per_byte(block), tick, block.block_id)
+        bs = self.block_size
+        if bs is None:
+            tokens = block.tokens
+            bs = len(tokens) if tokens is not None and len(tokens) else DEFAULT_BLOCK_SIZE
+        cost = self._cost_cache.get((block.depth, bs, block.nbytes))
+        state.pkey = (self.cost_per_byte(block) if cost is None else cost, tick, block_id)
         heap = self._heaps[state.pair]
         heapq.heappush(heap, state.pkey)
+        if len(heap) == 1:
+            self._occupied.add(state.pair)
         self._live[state.pair] += 1
         if len(heap) > 2 * self._live[state.pair] + 64:
             self._compact_pair(state.pair)
@@ -369,7 +418,8 @@ class BayesReuse(Policy):
         state.xkey = None
 
     def on_uncandidate(self, block: BlockInfo, now: float) -> None:
-        self._expire(now)
+        if now != self._expired_at:
+            self._expire(now)
         state = self._states.get(block.block_id)
         if state is not None and state.block is block:
             self._uncandidate(state, now)
@@ -381,15 +431,24 @@ class BayesReuse(Policy):
         del self._states[state.block.block_id]
 
     def on_evict(self, block: BlockInfo, now: float) -> None:
-        self._expire(now)
+        if now != self._expired_at:
+            self._expire(now)
         state = self._states.get(block.block_id)
         if state is not None and state.block is block:
-            self._close(state, evicted=self.count_evictions)
+            if state.pkey is not None or state.xkey is not None:
+                self._uncandidate(state, now)
+            if self.count_evictions and not state.failed:  # _close, inlined
+                self.failures[state.pair] += 1
+                self._stale_means.add(state.pair)
+            del self._states[block.block_id]
 
     # -- idle failures ---------------------------------------------------------------------
 
     def _expire(self, now: float) -> None:
         """Move live candidates idle for longer than the horizon to the failed heap."""
+        if now == self._expired_at:
+            return
+        self._expired_at = now
         heap = self._expiry
         states = self._states
         while heap and heap[0][0] < now:
@@ -408,47 +467,58 @@ class BayesReuse(Policy):
     # -- victim ----------------------------------------------------------------------------
 
     def victim(self, now: float) -> int | None:
-        self._expire(now)
+        if now != self._expired_at:
+            self._expire(now)
         if self.thompson:  # one draw per pair per call, used or not: reproducible streams
             alpha = np.add(self.prior_alpha, self.successes)
             beta = np.add(self.prior_beta, self.failures)
             means = self.rng.beta(alpha, beta).tolist()  # type: ignore[union-attr]
         else:
-            means = self._means
+            means = self._current_means() if self._stale_means else self._means
         states = self._states
+        stats = self.victim_stats
+        stats["victim_calls"] += 1
         stale = 0
-        try:
-            failed = self._failed
-            while failed:
-                key = failed[0]
-                state = states.get(key[2])
-                if state is not None and state.xkey is key and state.pkey is None:
-                    return key[2]
-                heapq.heappop(failed)
-                stale += 1
-            best: tuple | None = None
-            compared = 0
-            for pair, heap in enumerate(self._heaps):
-                while heap:
-                    key = heap[0]
-                    state = states.get(key[2])
-                    if state is not None and state.pkey is key:
-                        break
-                    heapq.heappop(heap)
-                    stale += 1
-                if not heap:
-                    continue
-                compared += 1
+        failed = self._failed
+        while failed:
+            key = failed[0]
+            state = states.get(key[2])
+            if state is not None and state.xkey is key and state.pkey is None:
+                if stale:
+                    stats["stale_pops"] += stale
+                return key[2]
+            heapq.heappop(failed)
+            stale += 1
+        # the least (score, tick, id) over the pairs' heads; unique, so any visiting order
+        best: tuple | None = None
+        best_score = 0.0
+        compared = 0
+        heaps = self._heaps
+        emptied = None
+        for pair in self._occupied:
+            heap = heaps[pair]
+            while heap:
                 key = heap[0]
-                cand = (means[pair] * key[0], key[1], key[2])
-                if best is None or cand < best:
-                    best = cand
-            self.victim_stats["head_comparisons"] += compared
-            return None if best is None else best[2]
-        finally:
-            stats = self.victim_stats
-            stats["victim_calls"] += 1
+                state = states.get(key[2])
+                if state is not None and state.pkey is key:
+                    break
+                heapq.heappop(heap)
+                stale += 1
+            if not heap:
+                emptied = [pair] if emptied is None else [*emptied, pair]
+                continue
+            compared += 1
+            key = heap[0]
+            score = means[pair] * key[0]
+            if (best is None or score < best_score
+                    or (score == best_score and (key[1], key[2]) < (best[1], best[2]))):
+                best, best_score = key, score
+        if emptied is not None:
+            self._occupied.difference_update(emptied)
+        stats["head_comparisons"] += compared
+        if stale:
             stats["stale_pops"] += stale
+        return None if best is None else best[2]
 
     # -- compaction ----------------------------------------------------------------------
 
@@ -458,6 +528,10 @@ class BayesReuse(Policy):
                 if (s := states.get(k[2])) is not None and s.pkey is k]
         heapq.heapify(heap)
         self._heaps[pair] = heap
+        if heap:
+            self._occupied.add(pair)
+        else:
+            self._occupied.discard(pair)
 
     def _compact_expiry(self) -> None:
         states = self._states

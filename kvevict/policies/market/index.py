@@ -1,0 +1,242 @@
+"""The market's candidate index: recency queues keyed by price class, and a cache of their
+head prices for the current clock time.
+
+Candidates live in one recency queue (a heap ordered by ``last_access_tick``) per key
+``(class, turn bucket, cost bucket)``; shared blocks go to queues keyed by ``(class, sharer
+bucket, cost bucket)``. Within a private queue every block has the same `ReuseModel` and
+(quantized) cost, and ``q`` decreases with idle time, so the head is exactly the cheapest; the
+victim is the cheapest head. Within a shared queue the order by most recent use is an
+approximation (the union depends on all sharers' times); its heads are priced by a callback.
+
+Head prices are cached for one clock time and learner version: a run of victims at one
+instant costs O(log n + log Q) each, a new instant O(Q) once, with Q the number of non-empty
+queues, never O(n).
+
+Entries are tuples ``(tick, seq, block_id, block, queue)``; an entry is live while
+``live[block_id]`` is that very tuple (lazy deletion: removed entries stay in a heap until
+they reach its top, and a heap is rebuilt when more than half of it is dead).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from kvevict.policies.market.price import ReuseModel
+from kvevict.types import BlockInfo
+
+__all__ = ["PriceIndex", "RecencyQueue"]
+
+#: ``shared_log_p(block, now)``: log reuse probability of a shared block (the sharer union).
+SharedPricer = Callable[[BlockInfo, float], float]
+#: ``model_of(key)``: the `ReuseModel` of a new queue's key, None for a shared queue.
+ModelOf = Callable[[tuple], "ReuseModel | None"]
+
+
+class RecencyQueue:
+    """One queue of candidates with one price model: a heap of entries by access tick.
+
+    ``model`` is None for a shared queue (priced per block by the sharer union).
+    """
+
+    __slots__ = ("heap", "key", "log_c", "model", "n", "shared")
+
+    def __init__(self, key: tuple, model: ReuseModel | None, log_c: float) -> None:
+        self.key = key
+        self.model = model
+        self.log_c = log_c
+        self.shared = model is None
+        self.heap: list[tuple] = []
+        self.n = 0
+
+
+class PriceIndex:
+    """Candidates by price class, and the cheapest of them at a clock time."""
+
+    def __init__(self, shared_log_p: SharedPricer, model_of: ModelOf) -> None:
+        self.shared_log_p = shared_log_p
+        self.model_of = model_of
+        #: price evaluations so far (one per queue head priced)
+        self.evaluations = 0
+        self.queues: dict[tuple, RecencyQueue] = {}
+        self.live: dict[int, tuple] = {}
+        self._seq = 0
+        # head-price cache for one clock time and learner version
+        self._hc: list[tuple] = []
+        self._hc_now: float | None = None
+        self._hc_version = -1
+        self._dirty: set[RecencyQueue] = set()
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def entry(self, block_id: int) -> tuple | None:
+        """The live entry of ``block_id``, or None."""
+        return self.live.get(block_id)
+
+    # -- membership ------------------------------------------------------------------------
+
+    def add(self, block: BlockInfo, key: tuple, log_c: float) -> None:
+        """Index candidate ``block`` under ``key`` (a new queue's model from ``model_of``)."""
+        q = self.queues.get(key)
+        if q is None:
+            q = self.queues[key] = RecencyQueue(key, self.model_of(key), log_c)
+        self._seq += 1
+        block_id = block.block_id
+        entry = (block.last_access_tick, self._seq, block_id, block, q)
+        live = self.live
+        if block_id in live:  # defensive: a repeated on_candidate replaces the old entry
+            self.remove(block_id)
+        live[block_id] = entry
+        heap = q.heap
+        heapq.heappush(heap, entry)
+        q.n += 1
+        top = heap[0]
+        if top is entry:  # the new head (the queue's price changes)
+            self._dirty.add(q)
+        elif live.get(top[2]) is not top:  # a dead top: drop the dead, then look again
+            while live.get(heap[0][2]) is not heap[0]:
+                heapq.heappop(heap)
+            if heap[0] is entry:
+                self._dirty.add(q)
+        if len(heap) > 2 * q.n + 64:
+            q.heap = [e for e in heap if live.get(e[2]) is e]
+            heapq.heapify(q.heap)
+
+    def remove(self, block_id: int) -> None:
+        """Forget ``block_id`` (no-op if it is not indexed)."""
+        live = self.live
+        entry = live.get(block_id)
+        if entry is None:
+            return
+        q = entry[4]
+        heap = q.heap
+        while live.get(heap[0][2]) is not heap[0]:
+            heapq.heappop(heap)
+        if heap[0] is entry:
+            heapq.heappop(heap)
+            self._dirty.add(q)
+        del live[block_id]
+        q.n -= 1
+        if q.n == 0:
+            heap.clear()
+            if self.queues.get(q.key) is q:
+                del self.queues[q.key]
+
+    # -- prices ----------------------------------------------------------------------------
+
+    def entry_log_price(self, entry: tuple, now: float) -> float:
+        """log price of an indexed entry at ``now``."""
+        self.evaluations += 1
+        q = entry[4]
+        block = entry[3]
+        if q.shared:
+            return q.log_c + self.shared_log_p(block, now)
+        m = q.model
+        z = (now - block.last_access) * m.r - m.L
+        if z > 35.0:
+            sp = z
+        elif z < -35.0:
+            sp = math.exp(z)
+        else:
+            sp = math.log1p(math.exp(z))
+        return q.log_c + m.log_hf - sp
+
+    # -- victim ----------------------------------------------------------------------------
+
+    def _head(self, q: RecencyQueue) -> tuple | None:
+        heap, live = q.heap, self.live
+        while heap:
+            entry = heap[0]
+            if live.get(entry[2]) is entry:
+                return entry
+            heapq.heappop(heap)
+        return None
+
+    def cheapest_id(self, now: float, version: int) -> int | None:
+        """The block id of the cheapest candidate at ``now`` (prices of learner ``version``)."""
+        live = self.live
+        if not live:
+            return None
+        hc = self._hc
+        if (now != self._hc_now or version != self._hc_version
+                or len(hc) > 4 * len(self.queues) + 64):
+            hc.clear()
+            self._dirty.clear()
+            self._price_heads(self.queues.values(), now)
+            self._hc_now, self._hc_version = now, version
+        elif self._dirty:
+            self._price_heads(self._dirty, now)
+            self._dirty.clear()
+        while hc:
+            entry = hc[0][3]
+            if live.get(entry[2]) is entry:
+                return entry[2]
+            heapq.heappop(hc)
+        self._hc_now = None  # cannot happen while candidates exist; rebuild next time
+        return None
+
+    def _price_heads(self, queues: Iterable[RecencyQueue], now: float) -> None:
+        """Push ``(log price, tick, seq, entry)`` of the head of each of ``queues`` into the
+        head-price heap (the private ones priced inline: `entry_log_price` without a call)."""
+        live = self.live
+        hc = self._hc
+        put = heapq.heappush
+        exp, log1p = math.exp, math.log1p
+        n = 0
+        for q in queues:
+            heap = q.heap
+            while heap:
+                entry = heap[0]
+                if live.get(entry[2]) is entry:
+                    break
+                heapq.heappop(heap)
+            else:
+                continue
+            n += 1
+            if q.shared:
+                put(hc, (q.log_c + self.shared_log_p(entry[3], now), entry[0], entry[1],
+                         entry))
+                continue
+            m = q.model
+            z = (now - entry[3].last_access) * m.r - m.L
+            sp = z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z))
+            put(hc, (q.log_c + m.log_hf - sp, entry[0], entry[1], entry))
+        self.evaluations += n
+
+    def _sorted_entries(self, q: RecencyQueue) -> Iterator[tuple]:
+        """The live entries of ``q`` in queue order, lazily (a walk of the heap)."""
+        heap, live = q.heap, self.live
+        if not heap:
+            return
+        frontier = [(heap[0], 0)]
+        size = len(heap)
+        while frontier:
+            entry, i = heapq.heappop(frontier)
+            if live.get(entry[2]) is entry:
+                yield entry
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < size:
+                    heapq.heappush(frontier, (heap[child], child))
+
+    def cheapest(self, k: int, now: float) -> list[tuple[float, tuple]]:
+        """``(log price, entry)`` of the ``k`` candidates `cheapest_id` would give next, in
+        order: a k-way merge over the queues, O(Q + k log Q) price evaluations."""
+        merge: list[tuple[Any, ...]] = []
+        price = self.entry_log_price
+        for q in self.queues.values():
+            walk = self._sorted_entries(q)
+            entry = next(walk, None)
+            if entry is not None:
+                merge.append((price(entry, now), entry[0], entry[1], entry, walk))
+        heapq.heapify(merge)
+        out: list[tuple[float, tuple]] = []
+        while merge and len(out) < k:
+            log_price, _, _, entry, walk = heapq.heappop(merge)
+            out.append((log_price, entry))
+            nxt = next(walk, None)
+            if nxt is not None:
+                heapq.heappush(merge, (price(nxt, now), nxt[0], nxt[1], nxt, walk))
+        return out
