@@ -15,7 +15,8 @@ prompt block looked up, hit or miss) goes through:
   (scheduler, zero-cost executor, per-request records, infinite-cache hits), which gives the
   same hits as the replay.
 
-Target: kvevict at most 5x slower than the bare loop (the ratio, measured in the same run).
+The ratio to the bare loop is reported for reference: round 1's target of at most 5x is
+retired (issue 11), since the bare loop has none of kvevict's semantics.
 
 **The stream** (``--stream mixed``, the default): `kvevict.workloads.generate` ``"mixed"``
 (chat, agent, RAG and single-shot sessions over 30 minutes, seed 0) with the request rate
@@ -62,7 +63,6 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lru_floor import LRUFloor
 
 from kvevict import Request
 from kvevict.prefix import block_hashes
@@ -76,7 +76,6 @@ from kvevict.workloads import (
 )
 
 GROUP = "sim-throughput"
-TARGET = 5.0  # kvevict at most this many times slower than the bare loop
 POLICY_TARGET = 2.0  # replay-market and replay-bayes at most this many times replay-lru
 BLOCK_SIZE = 16
 BENCH_SCALE = float(os.environ.get("KVEVICT_BENCH_SIM_SCALE", "8"))
@@ -168,19 +167,6 @@ def bare_lru(blocks: Sequence[Sequence], capacity: int) -> Run:
     return Run(events, hits, evictions)
 
 
-def floor_lru(stream: Stream, capacity: int) -> Run:
-    """`lru_floor.LRUFloor` (kvevict-LRU's per-block work in the leanest pure Python, no API)
-    driven as `kvevict.replay.replay` drives the manager: begin and finish each request at its
-    arrival time."""
-    floor = LRUFloor(capacity, stream.block_size)
-    begin, finish = floor.begin, floor.finish
-    for request in stream.requests:
-        floor.clock.now = request.arrival
-        begin(request)
-        finish(request.request_id)
-    return Run(floor.block_queries, floor.block_hits, floor.evictions)
-
-
 def run_replay(stream: Stream, policy: str, capacity: int) -> Run:
     res = replay(stream.requests, policy, capacity, block_size=stream.block_size)
     return Run(res.accesses, res.hits, res.evictions)
@@ -195,7 +181,6 @@ def run_sim(stream: Stream, policy: str, capacity: int) -> Run:
 
 IMPLEMENTATIONS: dict[str, Callable[[Stream, int], Run]] = {
     "bare-lru (baseline)": lambda s, c: bare_lru(s.blocks, c),
-    "floor-lru": floor_lru,
     "replay-lru": lambda s, c: run_replay(s, "lru", c),
     "replay-market": lambda s, c: run_replay(s, "market", c),
     "replay-bayes": lambda s, c: run_replay(s, "bayes", c),
@@ -237,7 +222,6 @@ def test_bare_and_kvevict_agree() -> None:
     assert 0.2 < bare.hit_ratio < 0.95
     assert abs(bare.hit_ratio - rep.hit_ratio) <= 0.03
     assert (sim.hits, sim.evictions) == (rep.hits, rep.evictions)
-    assert floor_lru(stream, capacity) == rep  # the floor does kvevict-LRU's work exactly
 
 
 def _bench(benchmark, name: str) -> None:
@@ -259,11 +243,6 @@ def _bench(benchmark, name: str) -> None:
 @pytest.mark.benchmark(group=GROUP)
 def test_bare_lru(benchmark) -> None:
     _bench(benchmark, BASELINE)
-
-
-@pytest.mark.benchmark(group=GROUP)
-def test_floor_lru(benchmark) -> None:
-    _bench(benchmark, "floor-lru")
 
 
 @pytest.mark.benchmark(group=GROUP)
@@ -332,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="pool size in blocks (default 20000 for mixed, 5000 for mooncake)")
     parser.add_argument("--rounds", type=int, default=3, help="best of this many runs")
     parser.add_argument("--no-profile", action="store_true",
-                        help="skip the cProfile of sim-lru printed when it misses the target")
+                        help="skip the cProfile of one sim-lru run printed at the end")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
@@ -363,19 +342,15 @@ def main(argv: list[str] | None = None) -> None:
               f"{seconds / events * 1e6:>10.3f}{seconds / base:>8.2f}x{run.hit_ratio:>12.4f}"
               f"{run.evictions:>11,}")
     for name in IMPLEMENTATIONS:
-        if name == "floor-lru":
-            print(f"floor-lru / bare-lru = {best[name] / base:.2f}x: kvevict-LRU's per-block "
-                  "work in the leanest pure Python (lru_floor.py)")
-        elif name != BASELINE:
+        if name != BASELINE:
             ratio = best[name] / base
-            print(f"{name} / bare-lru = {ratio:.2f}x (target <= {TARGET:g}x): "
-                  f"{'OK' if ratio <= TARGET else 'ABOVE TARGET'}")
+            print(f"{name} / bare-lru = {ratio:.2f}x")
     for name in ("replay-market", "replay-bayes"):
         ratio = best[name] / best["replay-lru"]
         print(f"{name} / replay-lru = {ratio:.2f}x (per-request replay cost; target <= "
               f"{POLICY_TARGET:g}x): {'OK' if ratio <= POLICY_TARGET else 'ABOVE TARGET'}")
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
-    if best["sim-lru"] / base > TARGET and not args.no_profile:
+    if not args.no_profile:
         profile_sim(stream, capacity)
 
 
