@@ -615,6 +615,7 @@ class KVCacheManager:
         """Register blocks ``len(seq.cached_blocks) .. end - 1`` of ``seq``'s block table
         under its chain (or share an identical cached block): the one caching path."""
         tree = self.tree
+        lookup, insert = tree.blocks.get, tree.insert
         records = self._records
         cached, table, hashes = seq.cached_blocks, seq.block_table, seq.hashes
         request = seq.request
@@ -625,13 +626,14 @@ class KVCacheManager:
         nbytes = self.pool.bytes_per_block
         cls, session, retention = request.workload_class, request.session_id, request.retention
         on_insert = self._on_insert
-        stats = self.stats
         created = self._created
+        num_created = len(created)
         error = None
+        tick = self._tick
         parent = cached[-1] if cached else None  # seq holds the parent: it stays no candidate
         for depth in range(len(cached), end):
             block_hash = hashes[depth]
-            existing = tree.get(block_hash)
+            existing = lookup(block_hash)
             if existing is not None:  # computed twice concurrently: keep the cached copy
                 self._share(seq, depth, existing, now)
                 parent = existing
@@ -642,25 +644,27 @@ class KVCacheManager:
                 tokens = np.asarray(known[depth * bs:(depth + 1) * bs], dtype=np.int64)
                 if (depth + 1) * bs > prompt_len:
                     kind = "output"  # holds generated tokens
-            self._tick += 1
+            tick += 1
             block_id = table[depth]
             block = BlockInfo(block_id, block_hash,
                               ROOT_HASH if parent is None else parent.block_hash, depth,
-                              tokens, nbytes, cls, session, now, self._tick, retention,
+                              tokens, nbytes, cls, session, now, tick, retention,
                               created_by, kind, parent)
             block.ref_count = 1
-            tree.insert(block)
+            insert(block)
             records[block_id] = block
             cached.append(block)
             created.append(block)
-            stats.inserted_blocks += 1
             if on_insert is not None:
+                self._tick = tick
                 try:
                     on_insert(block, now)
                 except Exception as exc:  # cached all the same (the policy indexes
                     if error is None:  # candidates, which it will hear of)
                         error = self._policy_error("on_insert", block, exc)
             parent = block
+        self._tick = tick
+        self.stats.inserted_blocks += len(created) - num_created
         if error is not None:
             raise error
 
@@ -716,17 +720,22 @@ class KVCacheManager:
         if len(table) > n:
             pool.release(table[:n - 1:-1] if n else table[::-1])
         unused = []
-        tick = self._tick
-        for block in reversed(blocks):
-            count = block.ref_count - 1
-            block.ref_count = count
-            if touch:
+        if touch:  # stamp each release: LRU's order, tail first
+            tick = self._tick
+            for block in reversed(blocks):
                 tick += 1
                 block.last_access = now
                 block.last_access_tick = tick
-            if not count:
-                unused.append(block)
-        self._tick = tick
+                count = block.ref_count - 1
+                block.ref_count = count
+                if not count:
+                    unused.append(block)
+            self._tick = tick
+        else:
+            for block in reversed(blocks):
+                block.ref_count -= 1
+                if not block.ref_count:
+                    unused.append(block)
         seq.block_table = []
         seq.cached_blocks = []
         if unused:
@@ -738,13 +747,12 @@ class KVCacheManager:
     def _acquire(self, blocks: list[BlockInfo], now: float) -> list[int]:
         """Take a reference on each cached block (they stop being candidates); return their
         ids. If the policy raises on a block leaving its index, nothing is taken."""
-        ids = []
+        ids = [block.block_id for block in blocks]
         first = []
         for block in blocks:
             if not block.ref_count:
                 first.append(block)
             block.ref_count += 1
-            ids.append(block.block_id)
         self.pool.incref_all(ids)
         if first:
             left = self.tree.referenced(first)

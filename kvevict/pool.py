@@ -161,21 +161,34 @@ class BlockPool:
         used, ref = self._used, self._ref
         for block_id in block_ids:
             if ref[block_id] or not used[block_id]:
-                self._check_used(block_id)
-                raise ConfigError(f"cannot release block {block_id}: ref count is "
-                                  f"{ref[block_id]}, expected 0")
-        for block_id in block_ids:
+                break
             used[block_id] = False
-        self._free.extend(block_ids)
+        else:
+            self._free.extend(block_ids)
+            return
+        for undo in block_ids:  # put back what this call changed, then say what was wrong
+            if undo == block_id:
+                break
+            used[undo] = True
+        self._check_used(block_id)
+        raise ConfigError(f"cannot release block {block_id}: ref count is {ref[block_id]}, "
+                          "expected 0")
 
     def incref_all(self, block_ids: Any) -> None:
-        """Add one reference to each block (the blocks must be handed out)."""
+        """Add one reference to each block. Raises `ConfigError` (nothing changed) if one is
+        not handed out."""
         used, ref = self._used, self._ref
         for block_id in block_ids:
             if not used[block_id]:
-                self._check_used(block_id)
-        for block_id in block_ids:
+                break
             ref[block_id] += 1
+        else:
+            return
+        for undo in block_ids:
+            if undo == block_id:
+                break
+            ref[undo] -= 1
+        self._check_used(block_id)
 
     def decref_all(self, block_ids: Any) -> None:
         """Drop one reference from each block (none is freed here). Raises `ConfigError`
@@ -183,10 +196,16 @@ class BlockPool:
         ref = self._ref
         for block_id in block_ids:
             if ref[block_id] <= 0:
-                self._check_used(block_id)
-                raise ConfigError(f"block {block_id} has ref count 0; cannot release it again")
-        for block_id in block_ids:
+                break
             ref[block_id] -= 1
+        else:
+            return
+        for undo in block_ids:
+            if undo == block_id:
+                break
+            ref[undo] += 1
+        self._check_used(block_id)
+        raise ConfigError(f"block {block_id} has ref count 0; cannot release it again")
 
     # -- inspection --------------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ class PrefixTree:
 
     def __init__(self) -> None:
         self._blocks: dict[Any, BlockInfo] = {}
+        #: Cached blocks by hash: a read-only live view (``blocks.get`` is the hot lookup).
+        self.blocks: Mapping[Any, BlockInfo] = MappingProxyType(self._blocks)
         self._candidates: dict[int, BlockInfo] = {}
         #: Candidates (cached, ref 0, leaf) by block id: a read-only live view.
         self.candidates: Mapping[int, BlockInfo] = MappingProxyType(self._candidates)
