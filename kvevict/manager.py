@@ -177,6 +177,21 @@ class Sequence:
                 f"cached={self.num_cached_tokens})")
 
 
+def _pop_victim_of(policy: Policy) -> Callable[[float], Any] | None:
+    """The policy's ``pop_victim`` if it has one that agrees with its ``victim`` and
+    ``on_evict``: a subclass that redefines either (say, an LRU that picks another victim)
+    is asked through them instead, so its override is never bypassed."""
+    mro = type(policy).__mro__
+
+    def owner(name: str) -> int:
+        return next(i for i, cls in enumerate(mro) if name in cls.__dict__)
+
+    pop = owner("pop_victim")
+    if mro[pop].__dict__["pop_victim"] is None or min(owner("victim"), owner("on_evict")) < pop:
+        return None
+    return policy.pop_victim  # type: ignore[return-value]
+
+
 def _overrides(obj: object, base: type, name: str) -> Callable[..., Any] | None:
     """``obj``'s bound method ``name`` if its class overrides ``base``'s no-op, else None
     (the manager skips calls to hooks left as no-ops: a hot path)."""
@@ -231,6 +246,7 @@ class KVCacheManager:
         self._on_admitted = _overrides(self.admission, Admission, "on_admitted")
         # what the eviction loop calls, bound once (it runs for every block a request needs)
         self._victim, self._on_evict = self.policy.victim, self.policy.on_evict
+        self._pop_victim = _pop_victim_of(self.policy)
         self._on_candidate = self.policy.on_candidate
         self._candidates, self._evict_from_tree = self.tree.candidates, self.tree.evict
         self._withheld, self._refused = self.pins.withheld, self.pins.refused
@@ -798,6 +814,8 @@ class KVCacheManager:
                 raise error
         candidates, evict_from_tree = self._candidates, self._evict_from_tree
         victim, on_evict, on_candidate = self._victim, self._on_evict, self._on_candidate
+        pop_victim = self._pop_victim
+        popped = False
         withheld, refused, pinned = self._withheld, self._refused, self._pinned
         listeners = self._eviction_listeners
         records = self._records
@@ -810,10 +828,12 @@ class KVCacheManager:
                     block = pins.fallback()
                     kept = True
                 else:
+                    popped = pop_victim is not None  # then the policy forgot it already
                     try:
-                        victim_id = victim(now)
+                        victim_id = pop_victim(now) if popped else victim(now)
                     except Exception as exc:
-                        raise self._policy_error("victim", None, exc) from exc
+                        raise self._policy_error("pop_victim" if popped else "victim", None,
+                                                 exc) from exc
                     block = candidates.get(victim_id)
                     kept = False
                     if block is None or (withheld and victim_id in withheld):
@@ -822,10 +842,11 @@ class KVCacheManager:
                 if listeners:
                     for listener in listeners:
                         listener(block, now)
-                try:
-                    on_evict(block, now)  # also for a kept block the policy never had
-                except Exception as exc:
-                    raise self._policy_error("on_evict", block, exc) from exc
+                if kept or not popped:
+                    try:
+                        on_evict(block, now)  # also for a kept block the policy never had
+                    except Exception as exc:
+                        raise self._policy_error("on_evict", block, exc) from exc
                 if kept:
                     pins.evicted(block.block_id)
                 block_id = block.block_id

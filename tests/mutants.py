@@ -20,7 +20,14 @@ def _lru_newest_first() -> None:
             return next(reversed(self._queue))
         return self._late[0][1] if self._late else None
 
+    def pop_victim(self, now):
+        chosen = victim(self, now)
+        if chosen is not None and self._queue.pop(chosen, None) is None:
+            del self._late_ticks[chosen]
+        return chosen
+
     LRU.victim = victim
+    LRU.pop_victim = pop_victim
 
 
 def _lru_late_to_the_back() -> None:

@@ -380,3 +380,39 @@ def test_a_twenty_line_policy_works_through_the_manager(clock, evict_one_by_one)
     use(m, clock, 2, B[:8], "b")
     # MRU among leaves: B's tail, then A's tail (t=1) loses to B's head (t=2)
     assert evict_one_by_one(m, 4) == [3, 2, 1, 0]
+
+
+def test_a_subclass_that_redefines_victim_or_on_evict_is_never_bypassed(make_manager, clock):
+    """LRU pops its queue in one call (``pop_victim``); an LRU subclass that picks another
+    victim, or watches evictions, is asked through its own ``victim`` / ``on_evict``."""
+    from kvevict import LRU
+    from kvevict.manager import _pop_victim_of
+
+    class Newest(LRU):
+        def victim(self, now):
+            return next(reversed(self._queue)) if self._queue else super().victim(now)
+
+    class Watching(LRU):
+        seen: list
+
+        def on_evict(self, block, now):
+            self.seen = [*getattr(self, "seen", []), block.block_id]
+            super().on_evict(block, now)
+
+    assert _pop_victim_of(LRU()) is not None and _pop_victim_of(Newest()) is None
+    assert _pop_victim_of(Watching()) is None
+    watching = Watching()
+    m = make_manager(4, watching)
+    for i in range(3):
+        clock.advance(1)
+        m.begin(Request(f"r{i}", tokens=[i] * 4))
+        m.finish(f"r{i}")
+    m.evict(2)
+    assert watching.seen == [0, 1]
+    m = make_manager(4, Newest())
+    for i in range(3):
+        clock.advance(1)
+        m.begin(Request(f"n{i}", tokens=[i] * 4))
+        m.finish(f"n{i}")
+    m.evict(1)
+    assert [b.block_id for b in m.tree] == [0, 1]  # the newest (block 2) went first

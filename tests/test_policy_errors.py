@@ -17,7 +17,7 @@ from kvevict.errors import KVEvictError, OutOfBlocks
 from kvevict.policies.base import ScoredPolicy
 
 EVENTS = ("on_begin", "on_insert", "on_hit", "on_candidate", "on_uncandidate", "on_evict",
-          "victim", "on_finish")
+          "victim", "pop_victim", "on_finish")
 
 
 class Boom(RuntimeError):
@@ -25,7 +25,10 @@ class Boom(RuntimeError):
 
 
 class Flaky(LRU):
-    """LRU whose chosen events raise (before changing anything) while ``armed`` says so."""
+    """LRU whose chosen events raise (before changing anything) once each, or at random.
+    It evicts through ``victim`` + ``on_evict`` (`FlakyPop` through ``pop_victim``)."""
+
+    pop_victim = None
 
     def __init__(self, fail: set[str] | None = None, rng: np.random.Generator | None = None,
                  rate: float = 0.0) -> None:
@@ -67,6 +70,12 @@ class Flaky(LRU):
     def victim(self, now):
         self._maybe("victim")
         return super().victim(now)
+
+
+class FlakyPop(Flaky):
+    def pop_victim(self, now):
+        self._maybe("pop_victim")
+        return LRU.pop_victim(self, now)
 
 
 def _manager(policy, num_blocks=6, block_size=2):
@@ -124,9 +133,10 @@ def test_begin_is_rolled_back_when_an_event_raises(event):
     m.check()
 
 
-@pytest.mark.parametrize("event", ["victim", "on_evict"])
-def test_an_eviction_that_raises_rolls_begin_back_and_keeps_the_block(event):
-    policy = Flaky()
+@pytest.mark.parametrize(("cls", "event"), [(Flaky, "victim"), (Flaky, "on_evict"),
+                                           (FlakyPop, "pop_victim")])
+def test_an_eviction_that_raises_rolls_begin_back_and_keeps_the_block(cls, event):
+    policy = cls()
     m, clock = _manager(policy)
     _fill(m, clock)
     before = _state(m)
@@ -251,10 +261,11 @@ def test_a_begin_whose_on_insert_raises_uncaches_everything_it_cached():
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2**32 - 1), rate=st.sampled_from([0.02, 0.1, 0.3]))
-def test_random_faults_in_any_event_never_break_an_invariant(seed, rate):
+@given(seed=st.integers(0, 2**32 - 1), rate=st.sampled_from([0.02, 0.1, 0.3]),
+       cls=st.sampled_from([Flaky, FlakyPop]))
+def test_random_faults_in_any_event_never_break_an_invariant(seed, rate, cls):
     rng = np.random.default_rng(seed)
-    policy = Flaky(rng=np.random.default_rng(seed + 1), rate=rate)
+    policy = cls(rng=np.random.default_rng(seed + 1), rate=rate)
     m, clock = _manager(policy, num_blocks=10, block_size=2)
     live: list[str] = []
     for step in range(150):

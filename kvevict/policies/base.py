@@ -14,6 +14,7 @@ carry the block's read-only `BlockInfo` (its ``parent`` record too) and the cloc
 | ``on_uncandidate(block, now)`` | it left the candidate set without being evicted | required |
 | ``on_evict(block, now)`` | the manager evicts it (no separate ``on_uncandidate``) | required |
 | ``victim(now)`` | name one current candidate to evict (a peek), or None if none | required |
+| ``pop_victim(now)`` | optional: ``victim`` and ``on_evict`` in one call | not called |
 | ``on_finish(request, blocks, now)`` | a request finished: the cached blocks it held | no-op |
 
 ``on_evict`` is sent for every evicted block, including a pinned one the policy was never
@@ -26,7 +27,7 @@ consistent (see `kvevict.manager`).
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from sortedcontainers import SortedList
@@ -96,6 +97,14 @@ class Policy(abc.ABC):
     def victim(self, now: float) -> int | None:
         """The block id to evict next (a current candidate), or None when there is none."""
 
+    #: Optional, for speed: a method ``pop_victim(now) -> block id or None`` that names the
+    #: next victim *and* forgets it, as `victim` followed by `on_evict` would; the manager then
+    #: evicts that block without sending ``on_evict``. None here: the manager calls `victim`
+    #: and `on_evict`. A policy whose index can pop its minimum defines it to save a call per
+    #: eviction (`LRU`, `ScoredPolicy`). A subclass that redefines `victim` or `on_evict`
+    #: below the class that defines ``pop_victim`` is asked through those instead.
+    pop_victim: ClassVar[Callable[..., int | None] | None] = None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -153,6 +162,19 @@ class ScoredPolicy(Policy):
         key = self._keys.pop(block_id, None)
         if key is not None:
             self._order.remove(key)
+
+    def pop_victim(self, now: float) -> int | None:
+        if self.time_dependent:
+            chosen = self.victim(now)
+            if chosen is not None:
+                del self._blocks[chosen]
+            return chosen
+        order = self._order
+        if not order:
+            return None
+        key = order.pop(0)
+        del self._keys[key[2]]
+        return key[2]
 
     def victim(self, now: float) -> int | None:
         if self.time_dependent:

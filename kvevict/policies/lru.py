@@ -70,6 +70,15 @@ class LRU(ScoredPolicy):
 
     on_uncandidate = on_evict
 
+    def pop_victim(self, now: float) -> int | None:
+        queue = self._queue
+        if not self._late:  # no late candidate: the queue's head is the oldest
+            return queue.popitem(last=False)[0] if queue else None
+        chosen = self.victim(now)
+        if chosen is not None and queue.pop(chosen, None) is None:
+            del self._late_ticks[chosen]
+        return chosen
+
     def victim(self, now: float) -> int | None:
         late, live = self._late, self._late_ticks
         while late:
