@@ -631,7 +631,7 @@ class KVCacheManager:
         """Register blocks ``len(seq.cached_blocks) .. end - 1`` of ``seq``'s block table
         under its chain (or share an identical cached block): the one caching path."""
         tree = self.tree
-        lookup, insert = tree.blocks.get, tree.insert
+        lookup = tree.blocks.get
         records = self._records
         cached, table, hashes = seq.cached_blocks, seq.block_table, seq.hashes
         request = seq.request
@@ -641,16 +641,16 @@ class KVCacheManager:
         prompt_len = request.prompt_len
         nbytes = self.pool.bytes_per_block
         cls, session, retention = request.workload_class, request.session_id, request.retention
-        on_insert = self._on_insert
-        created = self._created
-        num_created = len(created)
-        error = None
         tick = self._tick
+        run: list[BlockInfo] = []  # new blocks not yet registered: a chain
         parent = cached[-1] if cached else None  # seq holds the parent: it stays no candidate
         for depth in range(len(cached), end):
             block_hash = hashes[depth]
             existing = lookup(block_hash)
             if existing is not None:  # computed twice concurrently: keep the cached copy
+                if run:
+                    self._register(run, seq, now)
+                    run = []
                 self._share(seq, depth, existing, now)
                 parent = existing
                 continue
@@ -667,20 +667,29 @@ class KVCacheManager:
                               tokens, nbytes, cls, session, now, tick, retention,
                               created_by, kind, parent)
             block.ref_count = 1
-            insert(block)
             records[block_id] = block
-            cached.append(block)
-            created.append(block)
-            if on_insert is not None:
-                self._tick = tick
-                try:
-                    on_insert(block, now)
-                except Exception as exc:  # cached all the same (the policy indexes
-                    if error is None:  # candidates, which it will hear of)
-                        error = self._policy_error("on_insert", block, exc)
+            run.append(block)
             parent = block
         self._tick = tick
-        self.stats.inserted_blocks += len(created) - num_created
+        if run:
+            self._register(run, seq, now)
+
+    def _register(self, run: list[BlockInfo], seq: Sequence, now: float) -> None:
+        """Put a chain of new records in the tree, then tell the policy (``on_insert``)."""
+        self.tree.insert_chain(run)
+        seq.cached_blocks.extend(run)
+        self._created.extend(run)
+        self.stats.inserted_blocks += len(run)
+        on_insert = self._on_insert
+        if on_insert is None:
+            return
+        error = None
+        for block in run:
+            try:
+                on_insert(block, now)
+            except Exception as exc:  # cached all the same (the policy indexes candidates,
+                if error is None:  # which it will hear of)
+                    error = self._policy_error("on_insert", block, exc)
         if error is not None:
             raise error
 

@@ -139,6 +139,25 @@ class PrefixTree:
             parent.num_children += 1
         self._blocks[block.block_hash] = block
 
+    def insert_chain(self, blocks: SequenceABC[BlockInfo]) -> None:
+        """Register held blocks that form a chain in one call (a request's new blocks):
+        ``blocks[0]`` as `insert` would, each later one as the child of the one before it.
+        Raises `ConfigError` (nothing registered) if they do not form such a chain."""
+        self.insert(blocks[0])
+        cached = self._blocks
+        prev = blocks[0]
+        for i in range(1, len(blocks)):
+            block = blocks[i]
+            h = block.block_hash
+            if h in cached or block.parent is not prev or block.ref_count < 1:
+                for undo in reversed(blocks[:i]):
+                    self.discard(undo)
+                raise ConfigError(f"block {block.block_id} does not continue the chain: it "
+                                  "must be a held, uncached child of the block before it")
+            prev.num_children += 1
+            cached[h] = block
+            prev = block
+
     def discard(self, block: BlockInfo) -> None:
         """Undo `insert` of a held leaf (nothing below it, so no candidate changes)."""
         if block.num_children or self._blocks.get(block.block_hash) is not block:

@@ -534,3 +534,17 @@ def test_discard_undoes_an_insert():
     assert 44 not in tree and b.num_children == 0
     with pytest.raises(ConfigError, match="block 0 is not a cached leaf"):
         tree.discard(a)
+
+
+def test_insert_chain_registers_a_chain_in_one_call_or_nothing():
+    tree, a, b, c = _chain_tree()
+    d = _info(3, 44, 22, 2, b)
+    e = _info(4, 55, 44, 3, d)
+    tree.insert_chain([d, e])
+    assert (b.num_children, d.num_children, e.num_children) == (1, 1, 0)
+    assert tree.get(55) is e and len(tree) == 5
+    f = _info(5, 66, 33, 2, c)
+    stray = _info(6, 77, 11, 1, a)  # a's child, not f's: no chain
+    with pytest.raises(ConfigError, match="block 6 does not continue the chain"):
+        tree.insert_chain([f, stray])
+    assert 66 not in tree and 77 not in tree and c.num_children == 0 and len(tree) == 5
