@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV cache size in GiB (default: 1)")
     cap.add_argument("--cache-blocks", type=int, default=None, help="KV cache size in blocks")
     sim.add_argument("--block-size", type=int, default=None,
-                     help="tokens per block (default 16; 512 for Mooncake traces)")
+                     help="tokens per block (default 16; a Mooncake trace's own, 512 unless "
+                          "the file says otherwise, and no other)")
     sim.add_argument("--sweep", type=_floats, default=list(DEFAULT_SWEEP),
                      help="capacity multipliers for the hit-ratio sweep "
                           "(default: 0.5,2,4; sizes that cannot hold the largest request "
@@ -372,7 +373,9 @@ def _layout(args: argparse.Namespace) -> KVLayout:
     return preset(args.model)
 
 
-def _requests(args: argparse.Namespace) -> tuple[list[Any], str]:
+def _requests(args: argparse.Namespace) -> tuple[list[Any], str, int | None]:
+    """The requests, the workload's label, and the block size the trace fixes (a Mooncake
+    trace's hash ids are blocks of its own size; None: the trace or generator fixes none)."""
     from kvevict import workloads
 
     if args.trace is not None:
@@ -383,11 +386,16 @@ def _requests(args: argparse.Namespace) -> tuple[list[Any], str]:
         if args.scale != 1 or args.duration is not None:
             raise ConfigError("--scale and --duration shape a generated workload; they do not "
                               "apply to --trace")
-        return readers[args.format](args.trace), f"{args.trace.name} ({args.format})"
+        label = f"{args.trace.name} ({args.format})"
+        if args.format == "mooncake":
+            block_size = workloads.check_block_size(args.trace, args.block_size,
+                                                    flag="--block-size")
+            return workloads.read_mooncake(args.trace, block_size=block_size), label, block_size
+        return readers[args.format](args.trace), label, None
     name = args.workload or "chat-server"
     kwargs = {} if args.duration is None else {"duration": args.duration}
     requests = workloads.generate(name, seed=args.seed, scale=args.scale, **kwargs)
-    return requests, name if args.scale == 1 else f"{name} (scale {args.scale:g})"
+    return requests, name if args.scale == 1 else f"{name} (scale {args.scale:g})", None
 
 
 class _Progress:
@@ -426,10 +434,10 @@ def simulate_command(args: argparse.Namespace) -> int:
     if args.trace is not None and args.trace.exists() and not args.trace.is_file():
         raise ConfigError(f"--trace {args.trace} is not a file")
     layout = _layout(args)
-    requests, workload = _requests(args)
+    requests, workload, trace_block_size = _requests(args)
     if not requests:
         raise ConfigError(f"{workload} holds no requests")
-    block_size = args.block_size or (512 if args.format == "mooncake" and args.trace else 16)
+    block_size = trace_block_size or args.block_size or 16
     if args.cache_blocks is not None:
         capacity = args.cache_blocks
         if capacity <= 0:

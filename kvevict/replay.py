@@ -280,15 +280,25 @@ def format_table(table: ReplayTable, metric: str = "block_hit_ratio", digits: in
 # -- command line --------------------------------------------------------------------------
 
 
-def _load_trace(trace: str) -> list[Request]:
-    from kvevict.workloads.mooncake import BUNDLED_TRACES, bundled_trace_path, read_mooncake
+def _load_trace(trace: str, block_size: int | None = None) -> tuple[list[Request], int]:
+    """The requests of ``--trace`` and its block size; a ``--block-size`` other than the
+    trace's is a `ConfigError` naming both."""
+    from kvevict.workloads.mooncake import (
+        BUNDLED_TRACES,
+        bundled_trace_path,
+        check_block_size,
+        read_mooncake,
+    )
 
     if trace in BUNDLED_TRACES:
-        return read_mooncake(bundled_trace_path(trace))
-    if os.path.isfile(trace):
-        return read_mooncake(trace)
-    raise ConfigError(f"--trace must be a bundled trace ({', '.join(BUNDLED_TRACES)}) or a "
-                      f"Mooncake .jsonl file; {trace!r} is neither")
+        path = str(bundled_trace_path(trace))
+    elif os.path.isfile(trace):
+        path = trace
+    else:
+        raise ConfigError(f"--trace must be a bundled trace ({', '.join(BUNDLED_TRACES)}) or "
+                          f"a Mooncake .jsonl file; {trace!r} is neither")
+    size = check_block_size(path, block_size, flag="--block-size")
+    return read_mooncake(path, block_size=size), size
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -304,7 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated pool sizes in blocks")
     parser.add_argument("--policies", default=None,
                         help="comma-separated policy names (default: every registered one)")
-    parser.add_argument("--block-size", type=int, default=512, help="tokens per block")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per block: the trace's (512 unless the file says "
+                             "otherwise, the default) and no other")
     parser.add_argument("--time", choices=("index", "arrival"), default="index",
                         help="clock axis: request index or arrival seconds")
     parser.add_argument("--metric", default="block_hit_ratio",
@@ -314,8 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
         policies = None if args.policies is None else [
             p.strip() for p in args.policies.split(",") if p.strip()]
-        reqs = _load_trace(args.trace)
-        table = replay_table(reqs, policies, sizes, args.block_size, time=args.time)
+        reqs, block_size = _load_trace(args.trace, args.block_size)
+        table = replay_table(reqs, policies, sizes, block_size, time=args.time)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
