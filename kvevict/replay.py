@@ -37,7 +37,14 @@ from kvevict.errors import ConfigError, OutOfBlocks
 from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy, available_policies
 from kvevict.policies.belady import request_times
-from kvevict.policies.registry import POLICIES, PolicySpec, build_policy, is_offline, online_first
+from kvevict.policies.registry import (
+    POLICIES,
+    PolicySpec,
+    build_policy,
+    check_distinct,
+    is_offline,
+    online_first,
+)
 from kvevict.pool import BlockPool
 from kvevict.types import ManualClock, Request
 
@@ -242,6 +249,8 @@ def replay_table(requests: Iterable[Request],
     if isinstance(policies, Mapping):
         specs = dict(policies)
     else:
+        policies = list(policies)
+        check_distinct(policies, "policies")
         specs = {p: p for p in policies}
     for lbl, spec in specs.items():
         if isinstance(spec, Policy):
@@ -301,6 +310,20 @@ def _load_trace(trace: str, block_size: int | None = None) -> tuple[list[Request
     return read_mooncake(path, block_size=size), size
 
 
+def _command_policies(text: str | None, modules: Sequence[str]) -> list[str] | None:
+    """``--policies`` (None: every registered one), once the ``kvevict.policies`` entry points
+    and the ``--policy-module`` modules are loaded; a name given twice is an error."""
+    from kvevict.policies.registry import load_entry_point_policies, load_policy_modules
+
+    load_entry_point_policies()
+    load_policy_modules(modules, flag="--policy-module", cwd=True)
+    if text is None:
+        return None
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    check_distinct(policies, "--policies")
+    return policies
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvevict.replay``: print the Markdown table of a replay."""
     parser = argparse.ArgumentParser(
@@ -314,6 +337,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated pool sizes in blocks")
     parser.add_argument("--policies", default=None,
                         help="comma-separated policy names (default: every registered one)")
+    parser.add_argument("--policy-module", action="append", default=[], metavar="MODULE",
+                        help="import MODULE (e.g. mypkg.mypolicies; found on sys.path or in "
+                             "the current directory) before --policies is checked, so the "
+                             "policies it registers can be named; repeatable")
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per block: the trace's (512 unless the file says "
                              "otherwise, the default) and no other")
@@ -324,8 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-        policies = None if args.policies is None else [
-            p.strip() for p in args.policies.split(",") if p.strip()]
+        policies = _command_policies(args.policies, args.policy_module)
         reqs, block_size = _load_trace(args.trace, args.block_size)
         table = replay_table(reqs, policies, sizes, block_size, time=args.time)
     except (ConfigError, ValueError, OSError) as exc:
