@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import site
 import sys
+import sysconfig
 import time
 from pathlib import Path
 from typing import Any
@@ -37,17 +40,147 @@ def _csv(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
-def _policies(text: str) -> list[str]:
-    """The ``--policies`` list; unknown names (or none) name the valid ones."""
+def _policies(text: str, modules: list[str] | None = None) -> list[str]:
+    """The ``--policies`` list, once the ``kvevict.policies`` entry points and the
+    ``--policy-module`` modules are loaded; unknown names (or none) name the valid ones, and
+    a name given twice is an error naming it."""
     from kvevict.policies import available_policies
+    from kvevict.policies.registry import check_distinct, load_entry_point_policies
 
+    load_entry_point_policies()
+    import_policy_modules(modules or [])
     policies = _csv(text)
     valid = available_policies()
     unknown = [p for p in policies if p not in valid]
     if unknown or not policies:
         raise ConfigError(f"unknown policy {', '.join(unknown) or '(none given)'}; valid "
                           f"names: {', '.join(valid)}")
+    check_distinct(policies, "--policies")
     return policies
+
+
+def import_policy_modules(modules: list[str]) -> list[Any]:
+    """Import the ``--policy-module`` modules (found on ``sys.path`` or in the current
+    directory, as ``python -m`` finds them), so that the policies they register can be named;
+    a module that cannot be imported is a `ConfigError` naming the flag and the module."""
+    from kvevict.policies.registry import load_policy_modules
+
+    return load_policy_modules(modules, flag="--policy-module", cwd=True)
+
+
+def _module_root(module: Any) -> Path | None:
+    """The ``sys.path`` entry ``module`` was imported from (None when unknown)."""
+    file = getattr(module, "__file__", None)
+    if not file:
+        return None
+    path = Path(file).resolve()
+    depth = module.__name__.count(".") + (1 if path.name == "__init__.py" else 0)
+    return path.parents[depth]
+
+
+def _installed_roots() -> set[Path]:
+    """Where a fresh interpreter finds modules without a PYTHONPATH: site-packages, the
+    standard library, and the directory this kvevict is imported from."""
+    roots = {Path(p).resolve() for p in site.getsitepackages() + [site.getusersitepackages()]}
+    roots |= {Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "purelib",
+                                                                   "platlib")}
+    roots.add(Path(__file__).resolve().parents[1])
+    return roots
+
+
+def policy_module_files(args: argparse.Namespace) -> dict[str, str]:
+    """``--policy-module`` name -> the file it was imported from (for results.json)."""
+    out = {}
+    for name in getattr(args, "policy_module", None) or []:
+        module = sys.modules.get(name)
+        out[name] = str(getattr(module, "__file__", None) or "")
+    return out
+
+
+def recorded_command(args: argparse.Namespace) -> str:
+    """The command line that reruns this run: ``kvevict`` and its arguments, with a
+    ``PYTHONPATH=`` prefix when a ``--policy-module`` was imported from outside the installed
+    packages (a directory on ``sys.path`` that a fresh shell would not have)."""
+    command = "kvevict " + " ".join(shlex.quote(a) for a in args.argv)
+    installed = _installed_roots()
+    roots: list[str] = []
+    for name in getattr(args, "policy_module", None) or []:
+        root = _module_root(sys.modules.get(name))
+        if root is not None and root not in installed and str(root) not in roots:
+            roots.append(str(root))
+    if roots:
+        command = f"PYTHONPATH={shlex.quote(os.pathsep.join(roots))} {command}"
+    return command
+
+
+#: Integer flags checked before a command runs, so that a bad value is reported under the
+#: flag's name (``--max-batched-tokens``), not the field it fills (``max_num_batched_tokens``):
+#: argparse destination -> (least value, what the value is).
+_INT_FLAGS: dict[str, tuple[int, str]] = {
+    "max_batched_tokens": (1, "the scheduler's token budget per step"),
+    "max_seqs": (1, "the most running requests"),
+    "seed": (0, "the generator seed"),
+    "vocab": (2, "the vocabulary size"),
+    "hidden": (1, "the hidden size"),
+    "layers": (1, "the number of decoder layers"),
+    "heads": (1, "the number of query heads"),
+    "kv_heads": (1, "the number of key/value heads"),
+    "head_dim": (1, "the head dimension"),
+    "intermediate": (1, "the MLP intermediate size"),
+    "repeats": (1, "timed calls per point"),
+    "block_size": (1, "tokens per block"),
+    "cache_blocks": (1, "the KV cache size in blocks"),
+}
+#: Float flags that must be positive and finite: destination -> what the value is.
+_POSITIVE_FLAGS = {"duration": "seconds of generated trace", "scale": "a rate multiplier"}
+#: Integer-list flags: destination -> least value of each entry.
+_INT_LIST_FLAGS = {"prefill_lengths": 1, "cached_lengths": 0, "decode_batches": 1,
+                   "decode_contexts": 0}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """`ConfigError` naming the flag for a value the command cannot use (the checks that
+    would otherwise fail deeper down under an internal field name)."""
+    for dest, (least, what) in _INT_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is not None and value < least:
+            kind = {0: "a non-negative int", 1: "a positive int"}.get(least, f"an int >= {least}")
+            raise ConfigError(f"{_flag(dest)} ({what}) must be {kind}, got {value}")
+    for dest, what in _POSITIVE_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is not None and not 0 < value < float("inf"):
+            raise ConfigError(f"{_flag(dest)} ({what}) must be a positive finite number, got "
+                              f"{value}")
+    for dest, least in _INT_LIST_FLAGS.items():
+        values = getattr(args, dest, None)
+        for v in values or []:
+            if v < least:
+                raise ConfigError(f"{_flag(dest)} must hold ints >= {least}, got {v}")
+    heads, kv_heads = getattr(args, "heads", None), getattr(args, "kv_heads", None)
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise ConfigError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads}) "
+                          "(grouped-query attention; equal means MHA)")
+    head_dim = getattr(args, "head_dim", None)
+    if head_dim is not None and head_dim % 2:
+        raise ConfigError(f"--head-dim must be even (RoPE rotates pairs), got {head_dim}")
+    for new, cached, what in (("prefill_lengths", "cached_lengths", "prefill"),
+                              ("decode_batches", "decode_contexts", "decode")):
+        a, b = getattr(args, new, None), getattr(args, cached, None)
+        if a and b and len(set(a)) * len(set(b)) < 3:
+            raise ConfigError(f"{_flag(new)} x {_flag(cached)} give {len(set(a)) * len(set(b))} "
+                              f"{what} point(s); give at least 3")
+
+
+def _policy_module_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy-module", action="append", default=[], metavar="MODULE",
+                        help="import MODULE (e.g. mypkg.mypolicies; found on sys.path or in "
+                             "the current directory) before --policies is checked, so the "
+                             "policies it registers with kvevict.policies.register_policy "
+                             "can be named; repeatable")
 
 
 def _floats(text: str) -> list[float]:
@@ -81,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generator_args(sim)
     sim.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                      help="comma-separated policy names (default: %(default)s)")
+    _policy_module_arg(sim)
     model = sim.add_mutually_exclusive_group()
     model.add_argument("--model", default="llama-3-8b",
                        help=f"model preset: {', '.join(PRESETS)} (default %(default)s)")
@@ -91,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV cache size in GiB (default: 1)")
     cap.add_argument("--cache-blocks", type=int, default=None, help="KV cache size in blocks")
     sim.add_argument("--block-size", type=int, default=None,
-                     help="tokens per block (default 16; 512 for Mooncake traces)")
+                     help="tokens per block (default 16; a Mooncake trace's own, 512 unless "
+                          "the file says otherwise, and no other)")
     sim.add_argument("--sweep", type=_floats, default=list(DEFAULT_SWEEP),
                      help="capacity multipliers for the hit-ratio sweep "
                           "(default: 0.5,2,4; sizes that cannot hold the largest request "
@@ -127,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the first N requests by arrival (default %(default)s)")
     eb.add_argument("--policies", default="lru,market",
                     help="comma-separated policy names (default: %(default)s)")
+    _policy_module_arg(eb)
     eb.add_argument("--cache-blocks", type=int, default=None,
                     help="pool size in blocks (default: where the simulator's LRU hits half "
                          "of what an infinite cache would, or the nearest feasible size)")
@@ -301,9 +437,7 @@ def engine_bench_command(args: argparse.Namespace) -> int:
     from kvevict.engine_bench import format_report, run_bench, strip_answers
     from kvevict.scheduler import SchedulerConfig
 
-    policies = _policies(args.policies)
-    if len(set(policies)) != len(policies):
-        raise ConfigError(f"--policies lists a policy twice: {args.policies}")
+    policies = _policies(args.policies, args.policy_module)
     if args.requests < 1:
         raise ConfigError(f"--requests must be a positive int, got {args.requests}")
     if args.block_size < 1:
@@ -341,7 +475,9 @@ def engine_bench_command(args: argparse.Namespace) -> int:
     result["model"].update(startup)
     if args.cost_model is not None:
         result["calibration"]["path"] = str(args.cost_model)
-    result["command"] = "kvevict " + " ".join(shlex.quote(a) for a in args.argv)
+    result["command"] = recorded_command(args)
+    if args.policy_module:
+        result["policy_modules"] = policy_module_files(args)
     result["workload"].update({"name": args.workload, "seed": args.seed, "scale": args.scale})
     print(format_report(result, f"{args.workload} (seed {args.seed}, scale {args.scale:g})"))
     if args.out is not None:
@@ -372,7 +508,9 @@ def _layout(args: argparse.Namespace) -> KVLayout:
     return preset(args.model)
 
 
-def _requests(args: argparse.Namespace) -> tuple[list[Any], str]:
+def _requests(args: argparse.Namespace) -> tuple[list[Any], str, int | None]:
+    """The requests, the workload's label, and the block size the trace fixes (a Mooncake
+    trace's hash ids are blocks of its own size; None: the trace or generator fixes none)."""
     from kvevict import workloads
 
     if args.trace is not None:
@@ -383,11 +521,16 @@ def _requests(args: argparse.Namespace) -> tuple[list[Any], str]:
         if args.scale != 1 or args.duration is not None:
             raise ConfigError("--scale and --duration shape a generated workload; they do not "
                               "apply to --trace")
-        return readers[args.format](args.trace), f"{args.trace.name} ({args.format})"
+        label = f"{args.trace.name} ({args.format})"
+        if args.format == "mooncake":
+            block_size = workloads.check_block_size(args.trace, args.block_size,
+                                                    flag="--block-size")
+            return workloads.read_mooncake(args.trace, block_size=block_size), label, block_size
+        return readers[args.format](args.trace), label, None
     name = args.workload or "chat-server"
     kwargs = {} if args.duration is None else {"duration": args.duration}
     requests = workloads.generate(name, seed=args.seed, scale=args.scale, **kwargs)
-    return requests, name if args.scale == 1 else f"{name} (scale {args.scale:g})"
+    return requests, name if args.scale == 1 else f"{name} (scale {args.scale:g})", None
 
 
 class _Progress:
@@ -414,7 +557,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     from kvevict.scheduler import SchedulerConfig
     from kvevict.sim import simulate
 
-    policies = _policies(args.policies)
+    policies = _policies(args.policies, args.policy_module)
     if all(is_offline(p) for p in policies):
         bound = "is the offline bound" if len(set(policies)) == 1 else "are offline bounds"
         raise ConfigError("--policies needs at least one online policy to choose from "
@@ -426,10 +569,10 @@ def simulate_command(args: argparse.Namespace) -> int:
     if args.trace is not None and args.trace.exists() and not args.trace.is_file():
         raise ConfigError(f"--trace {args.trace} is not a file")
     layout = _layout(args)
-    requests, workload = _requests(args)
+    requests, workload, trace_block_size = _requests(args)
     if not requests:
         raise ConfigError(f"{workload} holds no requests")
-    block_size = args.block_size or (512 if args.format == "mooncake" and args.trace else 16)
+    block_size = trace_block_size or args.block_size or 16
     if args.cache_blocks is not None:
         capacity = args.cache_blocks
         if capacity <= 0:
@@ -500,8 +643,10 @@ def simulate_command(args: argparse.Namespace) -> int:
                 sweep, key=lambda s: (s["policy"], s["capacity_blocks"])),
             "chosen": chosen["policy"],
         }
+        if args.policy_module:
+            payload["policy_modules"] = policy_module_files(args)
         (out / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-        command = "kvevict " + " ".join(shlex.quote(a) for a in args.argv)
+        command = recorded_command(args)
         layout_desc = (f"{layout.attention.upper()}, {layout.num_layers} layers, "
                        f"{layout.bytes_per_token:,} KV bytes per token ({layout.dtype})")
         (out / "DECISION.md").write_text(report.decision_record(
@@ -532,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
                 "engine-bench": engine_bench_command}
     try:
         if args.command in commands:
+            check_flags(args)
             return commands[args.command](args)
     except (ConfigError, TraceFormatError, KVEvictError, OSError) as exc:
         print(f"kvevict: error: {exc}", file=sys.stderr)

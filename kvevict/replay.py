@@ -37,7 +37,14 @@ from kvevict.errors import ConfigError, OutOfBlocks
 from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy, available_policies
 from kvevict.policies.belady import request_times
-from kvevict.policies.registry import POLICIES, PolicySpec, build_policy, is_offline, online_first
+from kvevict.policies.registry import (
+    POLICIES,
+    PolicySpec,
+    build_policy,
+    check_distinct,
+    is_offline,
+    online_first,
+)
 from kvevict.pool import BlockPool
 from kvevict.types import ManualClock, Request
 
@@ -242,6 +249,8 @@ def replay_table(requests: Iterable[Request],
     if isinstance(policies, Mapping):
         specs = dict(policies)
     else:
+        policies = list(policies)
+        check_distinct(policies, "policies")
         specs = {p: p for p in policies}
     for lbl, spec in specs.items():
         if isinstance(spec, Policy):
@@ -280,15 +289,39 @@ def format_table(table: ReplayTable, metric: str = "block_hit_ratio", digits: in
 # -- command line --------------------------------------------------------------------------
 
 
-def _load_trace(trace: str) -> list[Request]:
-    from kvevict.workloads.mooncake import BUNDLED_TRACES, bundled_trace_path, read_mooncake
+def _load_trace(trace: str, block_size: int | None = None) -> tuple[list[Request], int]:
+    """The requests of ``--trace`` and its block size; a ``--block-size`` other than the
+    trace's is a `ConfigError` naming both."""
+    from kvevict.workloads.mooncake import (
+        BUNDLED_TRACES,
+        bundled_trace_path,
+        check_block_size,
+        read_mooncake,
+    )
 
     if trace in BUNDLED_TRACES:
-        return read_mooncake(bundled_trace_path(trace))
-    if os.path.isfile(trace):
-        return read_mooncake(trace)
-    raise ConfigError(f"--trace must be a bundled trace ({', '.join(BUNDLED_TRACES)}) or a "
-                      f"Mooncake .jsonl file; {trace!r} is neither")
+        path = str(bundled_trace_path(trace))
+    elif os.path.isfile(trace):
+        path = trace
+    else:
+        raise ConfigError(f"--trace must be a bundled trace ({', '.join(BUNDLED_TRACES)}) or "
+                          f"a Mooncake .jsonl file; {trace!r} is neither")
+    size = check_block_size(path, block_size, flag="--block-size")
+    return read_mooncake(path, block_size=size), size
+
+
+def _command_policies(text: str | None, modules: Sequence[str]) -> list[str] | None:
+    """``--policies`` (None: every registered one), once the ``kvevict.policies`` entry points
+    and the ``--policy-module`` modules are loaded; a name given twice is an error."""
+    from kvevict.policies.registry import load_entry_point_policies, load_policy_modules
+
+    load_entry_point_policies()
+    load_policy_modules(modules, flag="--policy-module", cwd=True)
+    if text is None:
+        return None
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    check_distinct(policies, "--policies")
+    return policies
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -304,7 +337,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated pool sizes in blocks")
     parser.add_argument("--policies", default=None,
                         help="comma-separated policy names (default: every registered one)")
-    parser.add_argument("--block-size", type=int, default=512, help="tokens per block")
+    parser.add_argument("--policy-module", action="append", default=[], metavar="MODULE",
+                        help="import MODULE (e.g. mypkg.mypolicies; found on sys.path or in "
+                             "the current directory) before --policies is checked, so the "
+                             "policies it registers can be named; repeatable")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per block: the trace's (512 unless the file says "
+                             "otherwise, the default) and no other")
     parser.add_argument("--time", choices=("index", "arrival"), default="index",
                         help="clock axis: request index or arrival seconds")
     parser.add_argument("--metric", default="block_hit_ratio",
@@ -312,10 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-        policies = None if args.policies is None else [
-            p.strip() for p in args.policies.split(",") if p.strip()]
-        reqs = _load_trace(args.trace)
-        table = replay_table(reqs, policies, sizes, args.block_size, time=args.time)
+        policies = _command_policies(args.policies, args.policy_module)
+        reqs, block_size = _load_trace(args.trace, args.block_size)
+        table = replay_table(reqs, policies, sizes, block_size, time=args.time)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

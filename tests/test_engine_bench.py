@@ -215,7 +215,7 @@ def test_engine_bench_cli_structure(tmp_path, capsys):
     (["--requests", "100000"], "has only"),
     (["--cache-blocks", "2"], "cannot hold request"),
     (["--workload", "nope"], "unknown workload 'nope'"),
-    (["--kv-heads", "3"], "multiple of num_kv_heads"),
+    (["--kv-heads", "3"], "--heads (2) must be a multiple of --kv-heads (3)"),
     (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "tpu"],
      "--device"),
     (["--device", "nonsense"], "not a torch device"),
@@ -242,7 +242,7 @@ def test_engine_bench_bad_files(capsys, tmp_path):
     assert "not a directory" in user_error(capsys, [*TINY_BENCH, "--out", str(a_file)])
     assert "is a directory" in user_error(capsys, ["calibrate", *TINY_MODEL, "--out",
                                                    str(tmp_path)])
-    assert "prefill_lengths" in user_error(capsys, ["calibrate", *TINY_MODEL, "--quiet",
+    assert "--prefill-lengths" in user_error(capsys, ["calibrate", *TINY_MODEL, "--quiet",
                                                     "--prefill-lengths", "0", "--out",
                                                     str(tmp_path / "c.json")])
 

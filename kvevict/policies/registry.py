@@ -10,11 +10,25 @@ being the clock value of each request's ``begin`` (``"index"``, ``"arrival"`` or
 request; see `kvevict.policies.belady.request_times`). `build_policy` calls that hook, so the
 simulator, the replay and the engine build every policy the same way; reports use
 `is_offline` to label the oracle and never choose it.
+
+**Policies from elsewhere.** `load_policy_modules` imports modules that register policies
+(the commands' ``--policy-module``), and `load_entry_point_policies` loads, once, the entry
+points of the group ``kvevict.policies`` that installed packages declare: each names a
+module (importing it registers its policies) or a `Policy` class (registered under the entry
+point's name unless it is registered already)::
+
+    [project.entry-points."kvevict.policies"]
+    s3fifo = "mypkg.policies:S3FIFO"        # a Policy class, registered as "s3fifo"
+    mypkg = "mypkg.policies"                # a module that calls register_policy itself
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 from kvevict.errors import ConfigError
@@ -22,7 +36,8 @@ from kvevict.policies.base import Policy
 from kvevict.registry import Registry
 from kvevict.types import Request
 
-__all__ = ["POLICIES", "PolicySpec", "available_policies", "build_policy", "is_offline",
+__all__ = ["ENTRY_POINT_GROUP", "POLICIES", "PolicySpec", "available_policies", "build_policy",
+           "check_distinct", "is_offline", "load_entry_point_policies", "load_policy_modules",
            "make_policy", "online_first", "register_policy"]
 
 #: The registry of residency policies.
@@ -47,6 +62,104 @@ def register_policy(name: str) -> Callable[[type], type]:
         return register(cls)
 
     return decorate
+
+
+#: The entry-point group through which installed packages register policies.
+ENTRY_POINT_GROUP = "kvevict.policies"
+
+_entry_points_loaded = False
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def check_distinct(names: Sequence[str], what: str = "--policies") -> None:
+    """`ConfigError` naming each name ``names`` lists more than once (``what`` names the
+    list, e.g. the ``--policies`` flag)."""
+    names = list(names)
+    repeated = sorted({n for n in names if names.count(n) > 1}, key=names.index)
+    if repeated:
+        times = {2: "twice"}
+        counts = ", ".join(f"{n!s} {times.get(names.count(n), f'{names.count(n)} times')}"
+                           for n in repeated)
+        raise ConfigError(f"{what} lists {counts} ({','.join(map(str, names))}); give each "
+                          "policy once")
+
+
+def load_policy_modules(modules: Iterable[str], *, flag: str = "--policy-module",
+                        cwd: bool = False) -> list[ModuleType]:
+    """Import each of ``modules`` (dotted names) so that the policies they register with
+    `register_policy` can be named; return the modules. With ``cwd=True`` the current
+    directory is searched too (after ``sys.path``), as ``python -m`` does.
+
+    Raises:
+        ConfigError: a module that cannot be imported (or fails while importing), naming
+            ``flag`` (the option that gave it) and the module, in one line.
+    """
+    if isinstance(modules, str):
+        modules = [modules]
+    here = os.getcwd()
+    added = cwd and here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(here)
+    try:
+        return _import_all(modules, flag)
+    finally:
+        if added:
+            sys.path.remove(here)
+
+
+def _import_all(modules: Iterable[str], flag: str) -> list[ModuleType]:
+    loaded = []
+    for name in modules:
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"{flag} needs a module name (dotted, e.g. mypkg.mypolicies), "
+                              f"got {name!r}")
+        try:
+            loaded.append(importlib.import_module(name.strip()))
+        except Exception as exc:  # the module's own errors too: report them as one line
+            raise ConfigError(f"{flag} {name}: cannot import module {name!r} "
+                              f"({_one_line(exc)})") from None
+    return loaded
+
+
+def load_entry_point_policies(*, reload: bool = False) -> list[str]:
+    """Load the entry points of the group ``kvevict.policies`` (`ENTRY_POINT_GROUP`), once
+    per process (again with ``reload=True``); return their names.
+
+    An entry point that loads to a module has registered its policies by being imported; one
+    that loads to a `Policy` subclass is registered under the entry point's name, unless that
+    class is registered already.
+
+    Raises:
+        ConfigError: an entry point that fails to load or is neither a module nor a
+            `Policy` subclass, naming it.
+    """
+    global _entry_points_loaded
+    if _entry_points_loaded and not reload:
+        return []
+    from importlib.metadata import entry_points
+
+    names = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        where = f"entry point {ep.name} = {ep.value} (group {ENTRY_POINT_GROUP})"
+        try:
+            obj = ep.load()
+        except Exception as exc:
+            raise ConfigError(f"{where} cannot be loaded ({_one_line(exc)})") from None
+        if isinstance(obj, type) and issubclass(obj, Policy):
+            known = obj.name in POLICIES and POLICIES.get(obj.name) is obj
+            if not known:
+                try:
+                    register_policy(ep.name)(obj)
+                except ConfigError as exc:
+                    raise ConfigError(f"{where}: {exc}") from None
+        elif not isinstance(obj, ModuleType):
+            raise ConfigError(f"{where} is {obj!r}, neither a module nor a Policy subclass")
+        names.append(ep.name)
+    _entry_points_loaded = True
+    return names
 
 
 def available_policies() -> list[str]:

@@ -22,8 +22,10 @@ from kvevict.workloads.generators import available_workloads, generate, workload
 from kvevict.workloads.mooncake import (
     MOONCAKE_BLOCK_SIZE,
     bundled_trace_path,
+    check_block_size,
     iter_mooncake,
     read_mooncake,
+    trace_block_size,
     write_mooncake,
 )
 
@@ -33,6 +35,7 @@ __all__ = [
     "MOONCAKE_BLOCK_SIZE",
     "available_workloads",
     "bundled_trace_path",
+    "check_block_size",
     "generate",
     "iter_jsonl",
     "iter_mooncake",
@@ -42,6 +45,7 @@ __all__ = [
     "read_sharegpt",
     "request_from_dict",
     "request_to_dict",
+    "trace_block_size",
     "trace_digest",
     "workload_params",
     "write_jsonl",

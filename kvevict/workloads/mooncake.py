@@ -9,7 +9,17 @@ One JSON object per line::
 - ``output_length``: generated tokens (int >= 0);
 - ``hash_ids``: prefix-chained ids (ints >= 0, distinct within a line) of the prompt's
   512-token blocks, the last one possibly partial. Two requests whose lists share a leading
-  run share that prefix; an id always follows the same parent id, in every line.
+  run share that prefix; an id always follows the same parent id, in every line;
+- ``block_size`` (optional, kvevict's extension): tokens per hash id, when not 512. The first
+  record decides the trace's block size (its ``block_size``, else 512); a later line that
+  carries a different one is malformed. `write_mooncake` writes it on every line when its
+  ``block_size`` is not 512, so what it writes reads back.
+
+**Block size.** A trace's hash ids are blocks of a fixed size, fixed when the trace was
+recorded: replaying it with other blocks would count one hash id as a block of the wrong
+number of tokens and print nonsense. So a reader given a ``block_size`` other than the
+trace's (`trace_block_size`) raises `ConfigError` naming both; leave it out (None) to use
+the trace's.
 
 Each line becomes a hash-mode `Request`: ``request_id`` = the record's 0-based index (blank
 lines are skipped and not counted), ``block_hashes`` = ``hash_ids``, ``arrival`` =
@@ -48,8 +58,10 @@ __all__ = [
     "BUNDLED_TRACES",
     "MOONCAKE_BLOCK_SIZE",
     "bundled_trace_path",
+    "check_block_size",
     "iter_mooncake",
     "read_mooncake",
+    "trace_block_size",
     "write_mooncake",
 ]
 
@@ -111,8 +123,7 @@ def lengths_and_block_ids(obj: dict[str, Any], bad: Any, path: str, line: int
     return input_length, output_length, ids
 
 
-def _parse_line(text: str, path: str, line: int, index: int, block_size: int,
-                workload_class: str) -> tuple[Request, int | float]:
+def _load_line(text: str, path: str, line: int) -> dict[str, Any]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -121,6 +132,79 @@ def _parse_line(text: str, path: str, line: int, index: int, block_size: int,
     if not isinstance(obj, dict):
         raise TraceFormatError(f"expected a JSON object, got {type(obj).__name__}",
                                path=path, line=line)
+    return obj
+
+
+def _declared_block_size(obj: dict[str, Any], path: str, line: int) -> int | None:
+    """A record's ``block_size`` field (None when it has none)."""
+    if "block_size" not in obj:
+        return None
+    value = obj["block_size"]
+    if not _is_int(value) or value < 1:
+        raise TraceFormatError(f"expected a positive integer (tokens per hash id), got "
+                               f"{value!r}", path=path, line=line, field="block_size")
+    return int(value)
+
+
+def _first_record(name: str) -> tuple[dict[str, Any], int] | None:
+    """The first non-blank line of a trace, parsed, and its line number (None if none)."""
+    with open(name, "rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            text = _decode(raw, name, line_no)
+            if text.strip():
+                return _load_line(text, name, line_no), line_no
+    return None
+
+
+def _decode(raw: bytes, name: str, line_no: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"not UTF-8 text ({exc.reason} at byte {exc.start})",
+                               path=name, line=line_no) from None
+
+
+def _block_size_source(declared: int | None) -> str:
+    return ('its first record\'s "block_size" field' if declared is not None else
+            'the Mooncake format\'s default: the file declares no "block_size"')
+
+
+def trace_block_size(path: str | os.PathLike[str]) -> int:
+    """Tokens per hash id of a Mooncake trace: its first record's ``block_size`` field, or
+    `MOONCAKE_BLOCK_SIZE` (512) when it has none (or the file holds no record)."""
+    return check_block_size(path, None)
+
+
+def _mismatch(name: str, block_size: int, trace_size: int, declared: int | None,
+              flag: str) -> ConfigError:
+    given = f"{flag} {block_size}" if flag.startswith("-") else f"{flag}={block_size}"
+    fix = f"{flag} {trace_size}" if flag.startswith("-") else f"{flag}={trace_size}"
+    return ConfigError(
+        f"{given} does not match the trace {name}: its hash ids are {trace_size}-token "
+        f"blocks ({_block_size_source(declared)}), not {block_size}-token ones; leave "
+        f"{flag} out or pass {fix}")
+
+
+def check_block_size(path: str | os.PathLike[str], block_size: int | None, *,
+                     flag: str = "block_size") -> int:
+    """The block size to read the Mooncake trace at ``path`` with: the trace's
+    (`trace_block_size`) when ``block_size`` is None; ``block_size`` when it equals the
+    trace's; else `ConfigError` naming both sizes, and ``flag`` (the option that gave
+    ``block_size``, e.g. ``"--block-size"``)."""
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(
+            block_size, int) or block_size <= 0):
+        raise ConfigError(f"{flag} must be a positive int, got {block_size!r}")
+    name = os.fspath(path)
+    first = _first_record(name)
+    declared = None if first is None else _declared_block_size(first[0], name, first[1])
+    trace_size = MOONCAKE_BLOCK_SIZE if declared is None else declared
+    if block_size is not None and block_size != trace_size:
+        raise _mismatch(name, block_size, trace_size, declared, flag)
+    return trace_size
+
+
+def _parse_record(obj: dict[str, Any], path: str, line: int, index: int, block_size: int,
+                  workload_class: str) -> tuple[Request, int | float]:
     for name in _FIELDS:
         if name not in obj:
             raise TraceFormatError(
@@ -149,16 +233,19 @@ def _parse_line(text: str, path: str, line: int, index: int, block_size: int,
     return request, ts
 
 
-def iter_mooncake(path: str | os.PathLike[str], *, block_size: int = MOONCAKE_BLOCK_SIZE,
+def iter_mooncake(path: str | os.PathLike[str], *, block_size: int | None = None,
                   workload_class: str = "chat") -> Iterator[Request]:
     """Yield the requests of a Mooncake trace one at a time (see the module docstring).
 
     Args:
         path: the ``.jsonl`` file.
-        block_size: tokens per listed block (512 in the published traces).
+        block_size: tokens per listed block: None (the default) for the trace's own
+            (`trace_block_size`: 512 unless the file says otherwise); another value than
+            the trace's raises `ConfigError` naming both (when the first record is read).
         workload_class: the class every request is tagged with.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+    if block_size is not None and (isinstance(block_size, bool)
+                                   or not isinstance(block_size, int) or block_size <= 0):
         raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
     if not isinstance(workload_class, str) or not workload_class:
         raise ConfigError(f"workload_class must be a non-empty string, got {workload_class!r}")
@@ -166,16 +253,29 @@ def iter_mooncake(path: str | os.PathLike[str], *, block_size: int = MOONCAKE_BL
     parents: dict[int, tuple[int | None, int]] = {}  # id -> (parent id, first line seen)
     last_ts = -math.inf
     index = 0
+    trace_size = MOONCAKE_BLOCK_SIZE
+    decided_on = 0  # the line whose record decided the trace's block size
+    why = ""
     with open(name, "rb") as fh:
         for line_no, raw in enumerate(fh, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise TraceFormatError(f"not UTF-8 text ({exc.reason} at byte {exc.start})",
-                                       path=name, line=line_no) from None
+            text = _decode(raw, name, line_no)
             if not text.strip():
                 continue
-            req, ts = _parse_line(text, name, line_no, index, block_size, workload_class)
+            obj = _load_line(text, name, line_no)
+            declared = _declared_block_size(obj, name, line_no)
+            if not decided_on:
+                decided_on = line_no
+                why = (f"its block_size {declared}" if declared is not None else
+                       f"no block_size field, so {MOONCAKE_BLOCK_SIZE}")
+                trace_size = MOONCAKE_BLOCK_SIZE if declared is None else declared
+                if block_size is not None and block_size != trace_size:
+                    raise _mismatch(name, block_size, trace_size, declared, "block_size")
+            elif declared is not None and declared != trace_size:
+                raise TraceFormatError(
+                    f"expected {trace_size}, the trace's block size (set by the first record, "
+                    f"line {decided_on}: {why}), got {declared}", path=name, line=line_no,
+                    field="block_size")
+            req, ts = _parse_record(obj, name, line_no, index, trace_size, workload_class)
             if ts < last_ts:
                 raise TraceFormatError(
                     f"{ts:g} ms is earlier than the previous line's {last_ts:g} ms; expected "
@@ -201,7 +301,7 @@ def iter_mooncake(path: str | os.PathLike[str], *, block_size: int = MOONCAKE_BL
             yield req
 
 
-def read_mooncake(path: str | os.PathLike[str], *, block_size: int = MOONCAKE_BLOCK_SIZE,
+def read_mooncake(path: str | os.PathLike[str], *, block_size: int | None = None,
                   workload_class: str = "chat") -> list[Request]:
     """All requests of a Mooncake trace, in file order (see `iter_mooncake`)."""
     return list(iter_mooncake(path, block_size=block_size, workload_class=workload_class))
@@ -222,7 +322,8 @@ def write_mooncake(requests: Iterable[Request], path: str | os.PathLike[str], *,
     and renumbered densely from one past the largest id any hash-mode request uses, so shared
     prefixes stay shared. ``timestamp`` is ``arrival * 1000`` (an int when whole);
     ``input_length`` is the prompt length (or ``extra["input_length"]`` when the reader had to
-    raise it). Requests must be in arrival order.
+    raise it). A ``block_size`` other than 512 is written on every line (``"block_size"``), so
+    the readers read the file back at that size. Requests must be in arrival order.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
@@ -262,6 +363,8 @@ def write_mooncake(requests: Iterable[Request], path: str | os.PathLike[str], *,
             input_length = req.extra.get("input_length", req.prompt_len)
             record = {"timestamp": _timestamp_ms(req.arrival), "input_length": int(input_length),
                       "output_length": int(req.output_len), "hash_ids": ids}
+            if block_size != MOONCAKE_BLOCK_SIZE:
+                record["block_size"] = block_size
             fh.write(json.dumps(record, separators=(", ", ": ")) + "\n")
             count += 1
     return count
