@@ -278,43 +278,66 @@ class Market(Policy):
     def _shared_log_p(self, block: BlockInfo, now: float) -> float:
         """log P(at least one sharer comes back within the horizon).
 
-        `union_log_p` of the sharers' ``log q``, in one pass when every sharer is tracked
-        (the same operations in the same order, so the same float): consecutive sharers in
-        the same class and turn share one model lookup.
+        `union_log_p` of the sharers' ``log q``. When every sharer is tracked, in one pass
+        with the same operations in the same order (so the same float): the sharers' models
+        come from the learner's per-class tables, looked up again only when the class or
+        turn bucket changes from one sharer to the next.
         """
         log = self._sharers_of(block)
-        sessions = self._sessions
+        n = len(log)
+        if not n or block.num_sharers > n:  # none, or some untracked: the general union
+            return self._union_of(block, log, now)
+        sessions_get = self._sessions.get
+        tables = self.learner.tables
         model = self.learner.model
         exp, log1p = math.exp, math.log1p
-        log_qs = []
-        oldest, oldest_t = 0, math.inf
+        cls0 = block.workload_class
         total = 0.0
         certain = False  # some q >= 1: the union is 1
         m = None
-        m_cls, m_turns = None, 0
+        m_cls: Any = _NOBODY
+        m_tb = -1
         for session, t in log.items():
-            rec = sessions.get(session)
+            rec = sessions_get(session)
             if rec is None:
-                m = model(block.workload_class, 0)
-                m_cls = None
-            elif rec.turns != m_turns or rec.cls != m_cls or m_cls is None:
-                m_cls, m_turns = rec.cls, rec.turns
-                m = model(m_cls, turn_bucket(m_turns))
-            if t < oldest_t:
-                oldest, oldest_t = len(log_qs), t
+                cls, tb = cls0, 0
+            else:
+                cls, turns = rec.cls, rec.turns
+                tb = (0 if turns < 2 else 1 if turns < 4 else 2 if turns < 8 else
+                      3 if turns < 16 else 4)  # turn_bucket, inlined
+            if tb != m_tb or cls != m_cls:
+                table = tables.get(cls)
+                m = table[tb] if table is not None else None
+                if m is None:
+                    m = model(cls, tb)
+                m_cls, m_tb = cls, tb
             z = (now - t) * m.r - m.L  # m.log_q(now - t), inlined
-            lq = m.log_hf - (z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z)))
-            log_qs.append(lq)
-            q = exp(lq)
+            q = exp(m.log_hf - (z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z))))
             if q >= 1.0:
                 certain = True
             elif not certain:
                 total += log1p(-q)
-        extra = max(0, block.num_sharers - len(log_qs))  # untracked: at the oldest's odds
-        if extra or certain or not log_qs:
-            return union_log_p(log_qs, oldest, extra)
+        if certain:
+            return 0.0
         p = -math.expm1(total)
-        return math.log(p) if p > 0.0 else union_log_p(log_qs, oldest, extra)
+        return math.log(p) if p > 0.0 else self._union_of(block, log, now)
+
+    def _union_of(self, block: BlockInfo, log: dict[Any, float], now: float) -> float:
+        """`union_log_p` over the tracked sharers ``log`` of ``block``, the untracked ones
+        at the odds of the oldest tracked."""
+        sessions = self._sessions
+        model = self.learner.model
+        log_qs = []
+        oldest, oldest_t = 0, math.inf
+        for session, t in log.items():
+            rec = sessions.get(session)
+            m = (model(block.workload_class, 0) if rec is None
+                 else model(rec.cls, turn_bucket(rec.turns)))
+            if t < oldest_t:
+                oldest, oldest_t = len(log_qs), t
+            log_qs.append(m.log_q(now - t))
+        extra = max(0, block.num_sharers - len(log_qs))
+        return union_log_p(log_qs, oldest, extra)
 
     def _log_price(self, block: BlockInfo, now: float) -> tuple[float, float]:
         """(log price, log reuse probability) of any cached block, as if a candidate now."""
