@@ -167,9 +167,35 @@ class PriceIndex:
             self._dirty.clear()
             self._price_heads(self.queues.values(), now)
             self._hc_now, self._hc_version = now, version
-        elif self._dirty:
-            self._price_heads(self._dirty, now)
-            self._dirty.clear()
+        elif self._dirty:  # the common case after an eviction: `_price_heads`, inlined
+            dirty = self._dirty
+            single = len(dirty) == 1
+            exp, log1p = math.exp, math.log1p
+            for q in dirty:
+                heap = q.heap
+                while heap:
+                    entry = heap[0]
+                    if live.get(entry[2]) is entry:
+                        break
+                    heapq.heappop(heap)
+                else:
+                    continue
+                self.evaluations += 1
+                if q.shared:
+                    log_price = q.log_c + self.shared_log_p(entry[3], now)
+                else:
+                    m = q.model
+                    z = (now - entry[3].last_access) * m.r - m.L
+                    log_price = q.log_c + m.log_hf - (z if z > 35.0 else exp(z) if z < -35.0
+                                                      else log1p(exp(z)))
+                item = (log_price, entry[0], entry[1], entry)
+                top = hc[0] if hc and single else None
+                if top is not None and top < item and live.get(top[3][2]) is not top[3]:
+                    # one push below a dead top: the loop below would pop that top first
+                    heapq.heapreplace(hc, item)
+                else:
+                    heapq.heappush(hc, item)
+            dirty.clear()
         while hc:
             entry = hc[0][3]
             if live.get(entry[2]) is entry:
