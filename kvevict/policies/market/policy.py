@@ -148,7 +148,9 @@ class Market(Policy):
         #: the candidate index ordered by price
         self.index = PriceIndex(self._shared_log_p, self._model_of)
         self._costs = CostBuckets(cost_model, block_size, cost_resolution)
-        self._cost_table = self._costs.table
+        self._log_c_at: dict[int, float] = {}  # depth -> log cost per byte, at _log_c_nbytes
+        self._log_c_nbytes: int | None = None
+        self._index_add, self._index_remove = self.index.add, self.index.remove
         self._sessions = self.learner.sessions
         # (session, now) of the last hit that went through the learner: the following hits
         # of the same request need nothing from it (see on_hit)
@@ -245,20 +247,33 @@ class Market(Policy):
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
         k = block.num_sharers
-        rec = self._sessions.get(block.last_hit_session if k > 1 else block.session)
+        if k > 1:
+            rec = self._sessions.get(block.last_hit_session)
+            tb = -((k - 1).bit_length())  # sharer bucket: 2, 3-4, 5-8, ...
+        else:
+            rec = self._sessions.get(block.session)
+            if rec is None:
+                tb = 0
+            else:
+                turns = rec.turns
+                tb = 0 if turns < 2 else min(NUM_TURN_BUCKETS - 1, turns.bit_length() - 1)
         if rec is not None and block.last_access == now:
             rec.last_seen = now  # a release: the session's idle time starts here
-        cost = self._cost_table.get((block.depth, block.nbytes))
-        log_c = (cost if cost is not None else self._costs.of(block))[0]
-        cls = block.workload_class
-        if k > 1:
-            tb = -((k - 1).bit_length())  # sharer bucket: 2, 3-4, 5-8, ...
-        elif rec is None:
-            tb = 0
-        else:
-            turns = rec.turns
-            tb = 0 if turns < 2 else min(NUM_TURN_BUCKETS - 1, turns.bit_length() - 1)
-        self.index.add(block, (cls, tb, log_c), log_c)
+        depth = block.depth
+        log_c = self._log_c_at.get(depth) if block.nbytes == self._log_c_nbytes else None
+        if log_c is None:
+            log_c = self._log_c_of(block)
+        self._index_add(block, (block.workload_class, tb, log_c), log_c)
+
+    def _log_c_of(self, block: BlockInfo) -> float:
+        """The quantized log cost per byte of ``block``, remembered by depth for blocks of
+        the first size seen (all of one pool's)."""
+        log_c = self._costs.of(block)[0]
+        if self._log_c_nbytes is None:
+            self._log_c_nbytes = block.nbytes
+        if block.nbytes == self._log_c_nbytes:
+            self._log_c_at[block.depth] = log_c
+        return log_c
 
     def _model_of(self, key: tuple) -> ReuseModel | None:
         """The reuse model of a new queue ``(class, bucket, log cost)``: None when shared."""
@@ -266,11 +281,11 @@ class Market(Policy):
         return self.learner.model(cls, tb) if tb >= 0 else None
 
     def on_uncandidate(self, block: BlockInfo, now: float) -> None:
-        self.index.remove(block.block_id)
+        self._index_remove(block.block_id)
 
     def on_evict(self, block: BlockInfo, now: float) -> None:
         block_id = block.block_id
-        self.index.remove(block_id)
+        self._index_remove(block_id)
         self._sharer_log.pop(block_id, None)
 
     # -- prices ----------------------------------------------------------------------------
