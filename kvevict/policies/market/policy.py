@@ -309,15 +309,16 @@ class Market(Policy):
         cls0 = block.workload_class
         total = 0.0
         certain = False  # some q >= 1: the union is 1
-        m = None
         m_cls: Any = _NOBODY
         m_tb = -1
+        r = big_l = log_hf = 0.0
         for session, t in log.items():
             rec = sessions_get(session)
             if rec is None:
                 cls, tb = cls0, 0
             else:
-                cls, turns = rec.cls, rec.turns
+                cls = rec.cls
+                turns = rec.turns
                 tb = (0 if turns < 2 else 1 if turns < 4 else 2 if turns < 8 else
                       3 if turns < 16 else 4)  # turn_bucket, inlined
             if tb != m_tb or cls != m_cls:
@@ -326,8 +327,9 @@ class Market(Policy):
                 if m is None:
                     m = model(cls, tb)
                 m_cls, m_tb = cls, tb
-            z = (now - t) * m.r - m.L  # m.log_q(now - t), inlined
-            q = exp(m.log_hf - (z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z))))
+                r, big_l, log_hf = m.r, m.L, m.log_hf
+            z = (now - t) * r - big_l  # m.log_q(now - t), inlined
+            q = exp(log_hf - (z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z))))
             if q >= 1.0:
                 certain = True
             elif not certain:
