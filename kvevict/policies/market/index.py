@@ -68,7 +68,10 @@ class PriceIndex:
         self.model_of = model_of
         #: price evaluations so far (one per queue head priced)
         self.evaluations = 0
+        #: every queue made so far by key (an emptied one is kept for its key's next block)
         self.queues: dict[tuple, RecencyQueue] = {}
+        #: queues holding at least one candidate
+        self.nonempty = 0
         self.live: dict[int, tuple] = {}
         self._seq = 0
         # head-price cache for one clock time and learner version
@@ -100,6 +103,8 @@ class PriceIndex:
             self.remove(block_id)
         live[block_id] = entry
         q.n += 1
+        if q.n == 1:
+            self.nonempty += 1
         items = q.items
         if not items or tick > q.newest:  # the newest: to the back
             items.append(entry)
@@ -152,8 +157,7 @@ class PriceIndex:
         if q.n == 0:
             items.clear()
             q.late.clear()
-            if self.queues.get(q.key) is q:
-                del self.queues[q.key]
+            self.nonempty -= 1
         elif len(items) + len(q.late) > 2 * q.n + 64:
             self._compact(q)
 
@@ -204,7 +208,7 @@ class PriceIndex:
             return None
         hc = self._hc
         if (now != self._hc_now or version != self._hc_version
-                or len(hc) > 4 * len(self.queues) + 64):
+                or len(hc) > 4 * self.nonempty + 64):
             hc.clear()
             self._dirty.clear()
             self._price_heads(self.queues.values(), now)
@@ -217,6 +221,8 @@ class PriceIndex:
                 items = q.items
                 entry = items[0] if items else None
                 if entry is None or q.late or live.get(entry[2]) is not entry:
+                    if not q.n:
+                        continue
                     entry = self._head(q)
                     if entry is None:
                         continue
@@ -257,6 +263,8 @@ class PriceIndex:
             items = q.items
             entry = items[0] if items else None
             if entry is None or q.late or live.get(entry[2]) is not entry:
+                if not q.n:
+                    continue
                 entry = head(q)
                 if entry is None:
                     continue

@@ -411,7 +411,7 @@ class Market(Policy):
     @property
     def num_queues(self) -> int:
         """Non-empty recency queues (the most price evaluations one victim call costs)."""
-        return len(self.index.queues)
+        return self.index.nonempty
 
     def __len__(self) -> int:
         return len(self.index)
