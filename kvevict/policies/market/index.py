@@ -9,7 +9,7 @@ victim is the cheapest head. Within a shared queue the order by most recent use 
 approximation (the union depends on all sharers' times); its heads are priced by a callback.
 
 Head prices are cached for one clock time and learner version: a run of victims at one
-instant costs O(log n + log Q) each, a new instant O(Q) once, with Q the number of non-empty
+instant costs O(log Q) each, a new instant O(Q) once, with Q the number of non-empty
 queues, never O(n).
 
 Entries are tuples ``(tick, seq, block_id, block, queue)``; an entry is live while
