@@ -504,3 +504,95 @@ def test_turns_count_once_per_instant_and_restart_for_a_forgotten_session():
     assert list(market.learner.sessions) == ["a"]
     assert market.learner.sessions["a"].turns == 1
     m.check()
+
+
+# -- the fast paths against their references ---------------------------------------------------
+
+
+def test_one_pass_sharer_union_is_the_general_union_bit_for_bit():
+    """`_shared_log_p`'s one pass (tracked sharers only) gives the very float of the general
+    union (`_union_of`), over sharers of several classes and turn counts and idle times."""
+    rng = random.Random(3)
+    market = Market()
+    m, clock = new_manager(market, 400)
+    t = 0.0
+    for i in range(120):
+        t += rng.choice([0.0, 0.5, 2.0, 30.0])
+        s = rng.randrange(25)
+        use(m, clock, t, [*SYSTEM, *tokens(50_000 + 100 * i, BS)], f"r{i}", session_id=s,
+            workload_class=CLASSES[s % len(CLASSES)])
+    block = m.block(m.lookup(SYSTEM).block_ids[0])
+    assert block.num_sharers > 10
+    compared = 0
+    for dt in (0.0, 1.0, 7.5, 60.0, 400.0, 5000.0):
+        now = t + dt
+        market.learner.sync(now)
+        log = market._sharers_of(block)
+        assert len(log) == block.num_sharers  # all tracked: the one-pass case
+        assert market._shared_log_p(block, now) == market._union_of(block, log, now)
+        compared += 1
+    assert compared == 6
+
+
+def test_learner_tables_hold_the_models_it_hands_out():
+    market = Market()
+    learner = market.learner
+    for cls, tb in (("chat", 0), ("agent", 3), ("chat", 4), ("new-class", 1)):
+        model = learner.model(cls, tb)
+        assert learner.tables[cls][tb] is model
+        assert learner.model(cls, tb) is model
+    assert learner.tables["chat"][1] is None  # not made yet
+
+
+def test_queue_heads_against_a_reference_under_random_adds_and_removes():
+    """The deque + heap queues give the oldest live entry as each queue's head, whatever
+    the order of ticks (back, front or between) and removals (heads or not)."""
+    from kvevict.policies.market.index import PriceIndex
+    from kvevict.policies.market.price import ReuseModel
+    from kvevict.types import BlockInfo
+
+    model = ReuseModel()
+    model.set(0.5, 10.0, 60.0)
+    index = PriceIndex(lambda block, now: 0.0, lambda key: model)
+    rng = random.Random(11)
+    blocks: dict[int, BlockInfo] = {}
+    indexed: dict[int, tuple] = {}  # block id -> (tick, key)
+    tick = 1000
+    for step in range(6000):
+        op = rng.random()
+        if op < 0.55 or not indexed:
+            block_id = rng.randrange(400)
+            if block_id in indexed:
+                continue
+            r = rng.random()
+            if r < 0.7:
+                tick += 1
+                t = tick  # the newest: to the back
+            elif r < 0.85:
+                t = min((v[0] for v in indexed.values()), default=tick) - rng.randint(1, 5)
+            else:
+                t = rng.randint(0, tick)
+            if any(v[0] == t for v in indexed.values()):
+                continue  # ticks are distinct among candidates
+            block = BlockInfo(block_id, ("h", block_id), None, 0, None, 1, "chat", "s",
+                              float(t), t, None)
+            blocks[block_id] = block
+            key = ("chat", 0, float(rng.randrange(3)))
+            index.add(block, key, key[2])
+            indexed[block_id] = (t, key)
+        else:
+            block_id = rng.choice(list(indexed))
+            index.remove(block_id)
+            del indexed[block_id]
+        if step % 50 == 0 or step > 5900:
+            assert len(index) == len(indexed)
+            assert index.nonempty == len({v[1] for v in indexed.values()})
+            for key, q in index.queues.items():
+                if not q.n:
+                    continue
+                expect = min((v[0], b) for b, v in indexed.items() if v[1] == key)
+                head = index._head(q)
+                assert (head[0], head[2]) == expect
+            victim = index.cheapest_id(float(tick + step), 0)
+            if indexed:
+                assert victim in indexed

@@ -57,7 +57,7 @@ the cheapest; the victim is the cheapest head (cf. ATC'25's per-category queues)
 quantized to ``1 / cost_resolution`` of an octave (the price uses the quantized cost, so the
 order is exact for the price as defined). Within a shared queue the order by most recent use
 is an approximation (the union depends on all sharers' times). Head prices are cached for the
-current clock time: a run of evictions at one instant costs O(log n + log Q) each, a new
+current clock time: a run of evictions at one instant costs O(log Q) each, a new
 instant O(Q) once, with Q the number of non-empty queues (a few dozen at most), never O(n).
 
 `MarketAdmission` defers low-value requests (batch, single-shot) whose evictions would destroy

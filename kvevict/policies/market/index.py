@@ -1,7 +1,7 @@
 """The market's candidate index: recency queues keyed by price class, and a cache of their
 head prices for the current clock time.
 
-Candidates live in one recency queue (a heap ordered by ``last_access_tick``) per key
+Candidates live in one recency queue (ordered by ``last_access_tick``) per key
 ``(class, turn bucket, cost bucket)``; shared blocks go to queues keyed by ``(class, sharer
 bucket, cost bucket)``. Within a private queue every block has the same `ReuseModel` and
 (quantized) cost, and ``q`` decreases with idle time, so the head is exactly the cheapest; the
@@ -9,18 +9,23 @@ victim is the cheapest head. Within a shared queue the order by most recent use 
 approximation (the union depends on all sharers' times); its heads are priced by a callback.
 
 Head prices are cached for one clock time and learner version: a run of victims at one
-instant costs O(log n + log Q) each, a new instant O(Q) once, with Q the number of non-empty
+instant costs O(log Q) each, a new instant O(Q) once, with Q the number of non-empty
 queues, never O(n).
 
 Entries are tuples ``(tick, seq, block_id, block, queue)``; an entry is live while
-``live[block_id]`` is that very tuple (lazy deletion: removed entries stay in a heap until
-they reach its top, and a heap is rebuilt when more than half of it is dead).
+``live[block_id]`` is that very tuple (lazy deletion: removed entries stay in a queue until
+they reach its head, and a queue is rebuilt when more than half of it is dead). A queue is a
+deque in tick order, as LRU's: a released block (the newest tick) goes to its back, the parent
+of an evicted block (older than the head) to its front, both O(1) (a heap's pop is O(log n)
+tuple comparisons); the rare other one goes to a small heap beside it, and the head is the
+older of the two heads.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -36,20 +41,23 @@ ModelOf = Callable[[tuple], "ReuseModel | None"]
 
 
 class RecencyQueue:
-    """One queue of candidates with one price model: a heap of entries by access tick.
+    """One queue of candidates with one price model, in access-tick order: a deque
+    (ascending ticks) and a heap of the entries that fit at neither end of it.
 
     ``model`` is None for a shared queue (priced per block by the sharer union).
     """
 
-    __slots__ = ("heap", "key", "log_c", "model", "n", "shared")
+    __slots__ = ("items", "key", "late", "log_c", "model", "n", "newest", "shared")
 
     def __init__(self, key: tuple, model: ReuseModel | None, log_c: float) -> None:
         self.key = key
         self.model = model
         self.log_c = log_c
         self.shared = model is None
-        self.heap: list[tuple] = []
-        self.n = 0
+        self.items: deque[tuple] = deque()  # ascending ticks (dead entries included)
+        self.late: list[tuple] = []  # heap of the entries added between the deque's ends
+        self.newest = -1  # tick of the deque's last entry
+        self.n = 0  # live entries
 
 
 class PriceIndex:
@@ -60,7 +68,10 @@ class PriceIndex:
         self.model_of = model_of
         #: price evaluations so far (one per queue head priced)
         self.evaluations = 0
+        #: every queue made so far by key (an emptied one is kept for its key's next block)
         self.queues: dict[tuple, RecencyQueue] = {}
+        #: queues holding at least one candidate
+        self.nonempty = 0
         self.live: dict[int, tuple] = {}
         self._seq = 0
         # head-price cache for one clock time and learner version
@@ -85,25 +96,44 @@ class PriceIndex:
             q = self.queues[key] = RecencyQueue(key, self.model_of(key), log_c)
         self._seq += 1
         block_id = block.block_id
-        entry = (block.last_access_tick, self._seq, block_id, block, q)
+        tick = block.last_access_tick
+        entry = (tick, self._seq, block_id, block, q)
         live = self.live
         if block_id in live:  # defensive: a repeated on_candidate replaces the old entry
             self.remove(block_id)
         live[block_id] = entry
-        heap = q.heap
-        heapq.heappush(heap, entry)
         q.n += 1
-        top = heap[0]
-        if top is entry:  # the new head (the queue's price changes)
+        if q.n == 1:
+            self.nonempty += 1
+        items = q.items
+        if not items or tick > q.newest:  # the newest: to the back
+            items.append(entry)
+            q.newest = tick
+            first = items[0]
+            if first is not entry and live.get(first[2]) is first:
+                return  # a live entry ahead of it: not the head (the usual case)
+        elif tick < items[0][0] and not q.late:  # older than all: the front, the head
+            items.appendleft(entry)
             self._dirty.add(q)
-        elif live.get(top[2]) is not top:  # a dead top: drop the dead, then look again
-            while live.get(heap[0][2]) is not heap[0]:
-                heapq.heappop(heap)
-            if heap[0] is entry:
-                self._dirty.add(q)
-        if len(heap) > 2 * q.n + 64:
-            q.heap = [e for e in heap if live.get(e[2]) is e]
-            heapq.heapify(q.heap)
+            return
+        elif tick < items[0][0]:
+            items.appendleft(entry)
+        else:
+            heapq.heappush(q.late, entry)
+        if self._head(q) is entry:  # the new head (the queue's price changes)
+            self._dirty.add(q)
+        if len(items) + len(q.late) > 2 * q.n + 64:
+            self._compact(q)
+
+    def _compact(self, q: RecencyQueue) -> None:
+        """Rebuild ``q`` from its live entries, all in the deque."""
+        live = self.live
+        entries = [e for e in q.items if live.get(e[2]) is e]
+        entries.extend(e for e in q.late if live.get(e[2]) is e)
+        entries.sort(key=lambda e: e[0])  # distinct ticks
+        q.items = deque(entries)
+        q.late = []
+        q.newest = entries[-1][0] if entries else -1
 
     def remove(self, block_id: int) -> None:
         """Forget ``block_id`` (no-op if it is not indexed)."""
@@ -112,18 +142,24 @@ class PriceIndex:
         if entry is None:
             return
         q = entry[4]
-        heap = q.heap
-        while live.get(heap[0][2]) is not heap[0]:
-            heapq.heappop(heap)
-        if heap[0] is entry:
-            heapq.heappop(heap)
+        items = q.items
+        if items and items[0] is entry and not q.late:  # the head (a victim, usually)
+            items.popleft()
+            self._dirty.add(q)
+        elif self._head(q) is entry:
+            if items and items[0] is entry:
+                items.popleft()
+            else:
+                heapq.heappop(q.late)
             self._dirty.add(q)
         del live[block_id]
         q.n -= 1
         if q.n == 0:
-            heap.clear()
-            if self.queues.get(q.key) is q:
-                del self.queues[q.key]
+            items.clear()
+            q.late.clear()
+            self.nonempty -= 1
+        elif len(items) + len(q.late) > 2 * q.n + 64:
+            self._compact(q)
 
     # -- prices ----------------------------------------------------------------------------
 
@@ -147,13 +183,23 @@ class PriceIndex:
     # -- victim ----------------------------------------------------------------------------
 
     def _head(self, q: RecencyQueue) -> tuple | None:
-        heap, live = q.heap, self.live
-        while heap:
-            entry = heap[0]
-            if live.get(entry[2]) is entry:
-                return entry
-            heapq.heappop(heap)
-        return None
+        """The live entry of ``q`` with the oldest tick (dropping dead ones ahead of it)."""
+        items, late, live = q.items, q.late, self.live
+        first = None
+        while items:
+            first = items[0]
+            if live.get(first[2]) is first:
+                break
+            items.popleft()
+            first = None
+        while late:
+            top = late[0]
+            if live.get(top[2]) is top:
+                if first is None or top[0] < first[0]:
+                    return top
+                break
+            heapq.heappop(late)
+        return first
 
     def cheapest_id(self, now: float, version: int) -> int | None:
         """The block id of the cheapest candidate at ``now`` (prices of learner ``version``)."""
@@ -162,14 +208,40 @@ class PriceIndex:
             return None
         hc = self._hc
         if (now != self._hc_now or version != self._hc_version
-                or len(hc) > 4 * len(self.queues) + 64):
+                or len(hc) > 4 * self.nonempty + 64):
             hc.clear()
             self._dirty.clear()
             self._price_heads(self.queues.values(), now)
             self._hc_now, self._hc_version = now, version
-        elif self._dirty:
-            self._price_heads(self._dirty, now)
-            self._dirty.clear()
+        elif self._dirty:  # the common case after an eviction: `_price_heads`, inlined
+            dirty = self._dirty
+            single = len(dirty) == 1
+            exp, log1p = math.exp, math.log1p
+            for q in dirty:
+                items = q.items
+                entry = items[0] if items else None
+                if entry is None or q.late or live.get(entry[2]) is not entry:
+                    if not q.n:
+                        continue
+                    entry = self._head(q)
+                    if entry is None:
+                        continue
+                self.evaluations += 1
+                if q.shared:
+                    log_price = q.log_c + self.shared_log_p(entry[3], now)
+                else:
+                    m = q.model
+                    z = (now - entry[3].last_access) * m.r - m.L
+                    log_price = q.log_c + m.log_hf - (z if z > 35.0 else exp(z) if z < -35.0
+                                                      else log1p(exp(z)))
+                item = (log_price, entry[0], entry[1], entry)
+                top = hc[0] if hc and single else None
+                if top is not None and top < item and live.get(top[3][2]) is not top[3]:
+                    # one push below a dead top: the loop below would pop that top first
+                    heapq.heapreplace(hc, item)
+                else:
+                    heapq.heappush(hc, item)
+            dirty.clear()
         while hc:
             entry = hc[0][3]
             if live.get(entry[2]) is entry:
@@ -186,15 +258,16 @@ class PriceIndex:
         put = heapq.heappush
         exp, log1p = math.exp, math.log1p
         n = 0
+        head = self._head
         for q in queues:
-            heap = q.heap
-            while heap:
-                entry = heap[0]
-                if live.get(entry[2]) is entry:
-                    break
-                heapq.heappop(heap)
-            else:
-                continue
+            items = q.items
+            entry = items[0] if items else None
+            if entry is None or q.late or live.get(entry[2]) is not entry:
+                if not q.n:
+                    continue
+                entry = head(q)
+                if entry is None:
+                    continue
             n += 1
             if q.shared:
                 put(hc, (q.log_c + self.shared_log_p(entry[3], now), entry[0], entry[1],
@@ -207,19 +280,30 @@ class PriceIndex:
         self.evaluations += n
 
     def _sorted_entries(self, q: RecencyQueue) -> Iterator[tuple]:
-        """The live entries of ``q`` in queue order, lazily (a walk of the heap)."""
-        heap, live = q.heap, self.live
-        if not heap:
-            return
-        frontier = [(heap[0], 0)]
-        size = len(heap)
-        while frontier:
-            entry, i = heapq.heappop(frontier)
-            if live.get(entry[2]) is entry:
-                yield entry
-            for child in (2 * i + 1, 2 * i + 2):
-                if child < size:
-                    heapq.heappush(frontier, (heap[child], child))
+        """The live entries of ``q`` in queue order, lazily (the deque merged with a walk of
+        the heap)."""
+        live = self.live
+
+        def in_deque() -> Iterator[tuple]:
+            for entry in list(q.items):
+                if live.get(entry[2]) is entry:
+                    yield entry
+
+        def in_heap() -> Iterator[tuple]:
+            heap = q.late
+            if not heap:
+                return
+            frontier = [(heap[0], 0)]
+            size = len(heap)
+            while frontier:
+                entry, i = heapq.heappop(frontier)
+                if live.get(entry[2]) is entry:
+                    yield entry
+                for child in (2 * i + 1, 2 * i + 2):
+                    if child < size:
+                        heapq.heappush(frontier, (heap[child], child))
+
+        return heapq.merge(in_deque(), in_heap(), key=lambda e: e[0])
 
     def cheapest(self, k: int, now: float) -> list[tuple[float, tuple]]:
         """``(log price, entry)`` of the ``k`` candidates `cheapest_id` would give next, in

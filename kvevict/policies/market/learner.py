@@ -89,6 +89,8 @@ class ReuseLearner:
         self.synced_now: float | None = None
         self._models: dict[tuple[str, int], ReuseModel] = {}
         self._class_models: dict[str, list[tuple[int, ReuseModel]]] = {}  # the same, by class
+        #: class -> its models by turn bucket (None where not made yet): the hot paths' table
+        self.tables: dict[str, list[ReuseModel | None]] = {}
         self._dirty_classes: set[str] = set()  # observed since the last sync
         self._stats: dict[str, ClassStats] = {}
         self._fifo: dict[str, deque] = {}  # open trials per class, by start time
@@ -129,6 +131,10 @@ class ReuseLearner:
             model = self._models[(cls, tb)] = ReuseModel()
             model.set(*self.estimate(cls, tb), self.horizon)
             self._class_models.setdefault(cls, []).append((tb, model))
+            table = self.tables.get(cls)
+            if table is None:
+                table = self.tables[cls] = [None] * NUM_TURN_BUCKETS
+            table[tb] = model
         return model
 
     def class_estimate(self, cls: str) -> ClassEstimate:

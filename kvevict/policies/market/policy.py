@@ -148,7 +148,9 @@ class Market(Policy):
         #: the candidate index ordered by price
         self.index = PriceIndex(self._shared_log_p, self._model_of)
         self._costs = CostBuckets(cost_model, block_size, cost_resolution)
-        self._cost_table = self._costs.table
+        self._log_c_at: dict[int, float] = {}  # depth -> log cost per byte, at _log_c_nbytes
+        self._log_c_nbytes: int | None = None
+        self._index_add, self._index_remove = self.index.add, self.index.remove
         self._sessions = self.learner.sessions
         # (session, now) of the last hit that went through the learner: the following hits
         # of the same request need nothing from it (see on_hit)
@@ -245,20 +247,33 @@ class Market(Policy):
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
         k = block.num_sharers
-        rec = self._sessions.get(block.last_hit_session if k > 1 else block.session)
+        if k > 1:
+            rec = self._sessions.get(block.last_hit_session)
+            tb = -((k - 1).bit_length())  # sharer bucket: 2, 3-4, 5-8, ...
+        else:
+            rec = self._sessions.get(block.session)
+            if rec is None:
+                tb = 0
+            else:
+                turns = rec.turns
+                tb = 0 if turns < 2 else min(NUM_TURN_BUCKETS - 1, turns.bit_length() - 1)
         if rec is not None and block.last_access == now:
             rec.last_seen = now  # a release: the session's idle time starts here
-        cost = self._cost_table.get((block.depth, block.nbytes))
-        log_c = (cost if cost is not None else self._costs.of(block))[0]
-        cls = block.workload_class
-        if k > 1:
-            tb = -((k - 1).bit_length())  # sharer bucket: 2, 3-4, 5-8, ...
-        elif rec is None:
-            tb = 0
-        else:
-            turns = rec.turns
-            tb = 0 if turns < 2 else min(NUM_TURN_BUCKETS - 1, turns.bit_length() - 1)
-        self.index.add(block, (cls, tb, log_c), log_c)
+        depth = block.depth
+        log_c = self._log_c_at.get(depth) if block.nbytes == self._log_c_nbytes else None
+        if log_c is None:
+            log_c = self._log_c_of(block)
+        self._index_add(block, (block.workload_class, tb, log_c), log_c)
+
+    def _log_c_of(self, block: BlockInfo) -> float:
+        """The quantized log cost per byte of ``block``, remembered by depth for blocks of
+        the first size seen (all of one pool's)."""
+        log_c = self._costs.of(block)[0]
+        if self._log_c_nbytes is None:
+            self._log_c_nbytes = block.nbytes
+        if block.nbytes == self._log_c_nbytes:
+            self._log_c_at[block.depth] = log_c
+        return log_c
 
     def _model_of(self, key: tuple) -> ReuseModel | None:
         """The reuse model of a new queue ``(class, bucket, log cost)``: None when shared."""
@@ -266,11 +281,11 @@ class Market(Policy):
         return self.learner.model(cls, tb) if tb >= 0 else None
 
     def on_uncandidate(self, block: BlockInfo, now: float) -> None:
-        self.index.remove(block.block_id)
+        self._index_remove(block.block_id)
 
     def on_evict(self, block: BlockInfo, now: float) -> None:
         block_id = block.block_id
-        self.index.remove(block_id)
+        self._index_remove(block_id)
         self._sharer_log.pop(block_id, None)
 
     # -- prices ----------------------------------------------------------------------------
@@ -278,43 +293,68 @@ class Market(Policy):
     def _shared_log_p(self, block: BlockInfo, now: float) -> float:
         """log P(at least one sharer comes back within the horizon).
 
-        `union_log_p` of the sharers' ``log q``, in one pass when every sharer is tracked
-        (the same operations in the same order, so the same float): consecutive sharers in
-        the same class and turn share one model lookup.
+        `union_log_p` of the sharers' ``log q``. When every sharer is tracked, in one pass
+        with the same operations in the same order (so the same float): the sharers' models
+        come from the learner's per-class tables, looked up again only when the class or
+        turn bucket changes from one sharer to the next.
         """
         log = self._sharers_of(block)
-        sessions = self._sessions
+        n = len(log)
+        if not n or block.num_sharers > n:  # none, or some untracked: the general union
+            return self._union_of(block, log, now)
+        sessions_get = self._sessions.get
+        tables = self.learner.tables
         model = self.learner.model
         exp, log1p = math.exp, math.log1p
-        log_qs = []
-        oldest, oldest_t = 0, math.inf
+        cls0 = block.workload_class
         total = 0.0
         certain = False  # some q >= 1: the union is 1
-        m = None
-        m_cls, m_turns = None, 0
+        m_cls: Any = _NOBODY
+        m_tb = -1
+        r = big_l = log_hf = 0.0
         for session, t in log.items():
-            rec = sessions.get(session)
+            rec = sessions_get(session)
             if rec is None:
-                m = model(block.workload_class, 0)
-                m_cls = None
-            elif rec.turns != m_turns or rec.cls != m_cls or m_cls is None:
-                m_cls, m_turns = rec.cls, rec.turns
-                m = model(m_cls, turn_bucket(m_turns))
-            if t < oldest_t:
-                oldest, oldest_t = len(log_qs), t
-            z = (now - t) * m.r - m.L  # m.log_q(now - t), inlined
-            lq = m.log_hf - (z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z)))
-            log_qs.append(lq)
-            q = exp(lq)
+                cls, tb = cls0, 0
+            else:
+                cls = rec.cls
+                turns = rec.turns
+                tb = (0 if turns < 2 else 1 if turns < 4 else 2 if turns < 8 else
+                      3 if turns < 16 else 4)  # turn_bucket, inlined
+            if tb != m_tb or cls != m_cls:
+                table = tables.get(cls)
+                m = table[tb] if table is not None else None
+                if m is None:
+                    m = model(cls, tb)
+                m_cls, m_tb = cls, tb
+                r, big_l, log_hf = m.r, m.L, m.log_hf
+            z = (now - t) * r - big_l  # m.log_q(now - t), inlined
+            q = exp(log_hf - (z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z))))
             if q >= 1.0:
                 certain = True
             elif not certain:
                 total += log1p(-q)
-        extra = max(0, block.num_sharers - len(log_qs))  # untracked: at the oldest's odds
-        if extra or certain or not log_qs:
-            return union_log_p(log_qs, oldest, extra)
+        if certain:
+            return 0.0
         p = -math.expm1(total)
-        return math.log(p) if p > 0.0 else union_log_p(log_qs, oldest, extra)
+        return math.log(p) if p > 0.0 else self._union_of(block, log, now)
+
+    def _union_of(self, block: BlockInfo, log: dict[Any, float], now: float) -> float:
+        """`union_log_p` over the tracked sharers ``log`` of ``block``, the untracked ones
+        at the odds of the oldest tracked."""
+        sessions = self._sessions
+        model = self.learner.model
+        log_qs = []
+        oldest, oldest_t = 0, math.inf
+        for session, t in log.items():
+            rec = sessions.get(session)
+            m = (model(block.workload_class, 0) if rec is None
+                 else model(rec.cls, turn_bucket(rec.turns)))
+            if t < oldest_t:
+                oldest, oldest_t = len(log_qs), t
+            log_qs.append(m.log_q(now - t))
+        extra = max(0, block.num_sharers - len(log_qs))
+        return union_log_p(log_qs, oldest, extra)
 
     def _log_price(self, block: BlockInfo, now: float) -> tuple[float, float]:
         """(log price, log reuse probability) of any cached block, as if a candidate now."""
@@ -371,7 +411,7 @@ class Market(Policy):
     @property
     def num_queues(self) -> int:
         """Non-empty recency queues (the most price evaluations one victim call costs)."""
-        return len(self.index.queues)
+        return self.index.nonempty
 
     def __len__(self) -> int:
         return len(self.index)
