@@ -213,35 +213,9 @@ class PriceIndex:
             self._dirty.clear()
             self._price_heads(self.queues.values(), now)
             self._hc_now, self._hc_version = now, version
-        elif self._dirty:  # the common case after an eviction: `_price_heads`, inlined
-            dirty = self._dirty
-            single = len(dirty) == 1
-            exp, log1p = math.exp, math.log1p
-            for q in dirty:
-                items = q.items
-                entry = items[0] if items else None
-                if entry is None or q.late or live.get(entry[2]) is not entry:
-                    if not q.n:
-                        continue
-                    entry = self._head(q)
-                    if entry is None:
-                        continue
-                self.evaluations += 1
-                if q.shared:
-                    log_price = q.log_c + self.shared_log_p(entry[3], now)
-                else:
-                    m = q.model
-                    z = (now - entry[3].last_access) * m.r - m.L
-                    log_price = q.log_c + m.log_hf - (z if z > 35.0 else exp(z) if z < -35.0
-                                                      else log1p(exp(z)))
-                item = (log_price, entry[0], entry[1], entry)
-                top = hc[0] if hc and single else None
-                if top is not None and top < item and live.get(top[3][2]) is not top[3]:
-                    # one push below a dead top: the loop below would pop that top first
-                    heapq.heapreplace(hc, item)
-                else:
-                    heapq.heappush(hc, item)
-            dirty.clear()
+        elif self._dirty:  # the common case after an eviction: reprice the changed heads
+            self._price_heads(self._dirty, now, replace_dead_top=len(self._dirty) == 1)
+            self._dirty.clear()
         while hc:
             entry = hc[0][3]
             if live.get(entry[2]) is entry:
@@ -250,9 +224,14 @@ class PriceIndex:
         self._hc_now = None  # cannot happen while candidates exist; rebuild next time
         return None
 
-    def _price_heads(self, queues: Iterable[RecencyQueue], now: float) -> None:
+    def _price_heads(self, queues: Iterable[RecencyQueue], now: float,
+                     replace_dead_top: bool = False) -> None:
         """Push ``(log price, tick, seq, entry)`` of the head of each of ``queues`` into the
-        head-price heap (the private ones priced inline: `entry_log_price` without a call)."""
+        head-price heap (the private ones priced inline: `entry_log_price` without a call).
+
+        With ``replace_dead_top`` (one queue to reprice), an entry that sorts after a dead top
+        replaces it with one ``heapreplace``: `cheapest_id` would pop that top first, so the
+        heap ends up with the same contents."""
         live = self.live
         hc = self._hc
         put = heapq.heappush
@@ -270,13 +249,18 @@ class PriceIndex:
                     continue
             n += 1
             if q.shared:
-                put(hc, (q.log_c + self.shared_log_p(entry[3], now), entry[0], entry[1],
-                         entry))
-                continue
-            m = q.model
-            z = (now - entry[3].last_access) * m.r - m.L
-            sp = z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z))
-            put(hc, (q.log_c + m.log_hf - sp, entry[0], entry[1], entry))
+                log_price = q.log_c + self.shared_log_p(entry[3], now)
+            else:
+                m = q.model
+                z = (now - entry[3].last_access) * m.r - m.L
+                sp = z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z))
+                log_price = q.log_c + m.log_hf - sp
+            item = (log_price, entry[0], entry[1], entry)
+            top = hc[0] if replace_dead_top and hc else None
+            if top is not None and top < item and live.get(top[3][2]) is not top[3]:
+                heapq.heapreplace(hc, item)
+            else:
+                put(hc, item)
         self.evaluations += n
 
     def _sorted_entries(self, q: RecencyQueue) -> Iterator[tuple]:
