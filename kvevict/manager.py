@@ -247,10 +247,8 @@ class KVCacheManager:
         # what the eviction loop calls, bound once (it runs for every block a request needs)
         self._victim, self._on_evict = self.policy.victim, self.policy.on_evict
         self._pop_victim = _pop_victim_of(self.policy)
-        self._on_candidate = self.policy.on_candidate
         self._candidates, self._evict_from_tree = self.tree.candidates, self.tree.evict
         self._withheld, self._refused = self.pins.withheld, self.pins.refused
-        self._pinned = self.pins.pinned
 
     # -- time ------------------------------------------------------------------------------
 
@@ -711,13 +709,15 @@ class KVCacheManager:
         if seq is None:
             seq = self.sequence(seq_id)  # raises: no such sequence
         blocks = seq.cached_blocks
-        error = self._release(seq, self._now()) if seq.status == "running" else None
+        running = seq.status == "running"
+        now = self._now() if running or self._on_finish is not None else self._last_now
+        error = self._release(seq, now) if running else None
         del self._seqs[seq_id]
         seq.status = "finished"
         self.stats.finished += 1
         if self._on_finish is not None:
             try:
-                self._on_finish(seq.request, blocks, self._last_now)
+                self._on_finish(seq.request, blocks, now)
             except Exception as exc:
                 raise self._policy_error("on_finish", None, exc) from exc
         if error is not None:
@@ -745,22 +745,17 @@ class KVCacheManager:
         if len(table) > n:
             pool.release(table[:n - 1:-1] if n else table[::-1])
         unused = []
-        if touch:  # stamp each release: LRU's order, tail first
-            tick = self._tick
-            for block in reversed(blocks):
+        tick = self._tick
+        for block in reversed(blocks):
+            if touch:  # stamp each release: LRU's order, tail first (not on a rollback)
                 tick += 1
                 block.last_access = now
                 block.last_access_tick = tick
-                count = block.ref_count - 1
-                block.ref_count = count
-                if not count:
-                    unused.append(block)
-            self._tick = tick
-        else:
-            for block in reversed(blocks):
-                block.ref_count -= 1
-                if not block.ref_count:
-                    unused.append(block)
+            count = block.ref_count - 1
+            block.ref_count = count
+            if not count:
+                unused.append(block)
+        self._tick = tick
         seq.block_table = []
         seq.cached_blocks = []
         if unused:
@@ -822,10 +817,10 @@ class KVCacheManager:
             if error is not None:
                 raise error
         candidates, evict_from_tree = self._candidates, self._evict_from_tree
-        victim, on_evict, on_candidate = self._victim, self._on_evict, self._on_candidate
+        victim, on_evict = self._victim, self._on_evict
         pop_victim = self._pop_victim
         popped = False
-        withheld, refused, pinned = self._withheld, self._refused, self._pinned
+        withheld, refused = self._withheld, self._refused
         listeners = self._eviction_listeners
         records = self._records
         by_class = self.stats.evictions_by_class
@@ -865,14 +860,9 @@ class KVCacheManager:
                 cls = block.workload_class
                 by_class[cls] = by_class.get(cls, 0) + 1
                 if parent is not None:  # the parent became a leaf, hence a candidate
-                    if pinned and pins.withhold(parent):
-                        continue
-                    try:
-                        on_candidate(parent, now)
-                    except Exception as exc:
-                        pins.refuse(parent)
-                        if error is None:
-                            error = self._policy_error("on_candidate", parent, exc)
+                    offered = self._offer((parent,), now)
+                    if error is None:
+                        error = offered
         finally:
             if freed:
                 self.pool.release(freed)
