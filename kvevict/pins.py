@@ -56,10 +56,6 @@ class Pins:
     def __iter__(self) -> Iterator[int]:
         return iter(self._until)
 
-    def until(self, block_id: int) -> float | None:
-        """The clock time a block is pinned until, or None if it is not pinned."""
-        return self._until.get(block_id)
-
     # -- pinning -----------------------------------------------------------------------------
 
     def pin(self, block: BlockInfo, expiry: float) -> bool:
@@ -156,10 +152,6 @@ class Pins:
         if self._withheld_order:
             return self._withheld[self._withheld_order[0][2]]
         return None
-
-    def kept_ids(self) -> set[int]:
-        """Every candidate kept from the policy (withheld pinned ones and refused ones)."""
-        return set(self._withheld) | set(self._refused)
 
     def __repr__(self) -> str:
         return (f"Pins(pinned={len(self._until)}, withheld={len(self._withheld)}, "
