@@ -1,0 +1,251 @@
+"""``kvevict calibrate`` (time the built-in engine, fit the cost model) and ``kvevict
+engine-bench`` (run policies on the real engine next to the simulator's prediction)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from kvevict.cli.common import (
+    generator_args,
+    int_list,
+    parse_policies,
+    policy_module_arg,
+    policy_module_files,
+    recorded_command,
+    sayer,
+    scheduler_args,
+)
+from kvevict.errors import ConfigError
+
+__all__ = ["add_parsers", "calibrate_command", "engine_bench_command"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_parsers(sub: Any) -> None:
+    """The ``calibrate`` and ``engine-bench`` subcommands' options."""
+    cal = sub.add_parser("calibrate", help="time the built-in engine and fit the cost model")
+    engine_model_args(cal)
+    cal.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    cal.add_argument("--prefill-lengths", type=int_list, default=None,
+                     help="new-token counts of the timed prefills (default 16,64,256,512)")
+    cal.add_argument("--cached-lengths", type=int_list, default=None,
+                     help="cached-prefix lengths of the timed prefills (default 0,512,2048)")
+    cal.add_argument("--decode-batches", type=int_list, default=None,
+                     help="batch sizes of the timed decode steps (default 1,4,16)")
+    cal.add_argument("--decode-contexts", type=int_list, default=None,
+                     help="context lengths of the timed decode steps (default 64,512,2048)")
+    cal.add_argument("--repeats", type=int, default=3,
+                     help="timed calls per point; the median counts (default 3)")
+    cal.add_argument("--out", type=Path, default=Path("calibration.json"),
+                     help="JSON file to write (default %(default)s)")
+    cal.add_argument("--quiet", action="store_true", help="no progress output")
+
+    eb = sub.add_parser("engine-bench",
+                        help="run policies on the real engine next to the simulator's prediction")
+    eb.add_argument("--workload", default="chat-server",
+                    help="built-in workload generator (default %(default)s)")
+    generator_args(eb)
+    eb.add_argument("--requests", type=int, default=120,
+                    help="run the first N requests by arrival (default %(default)s)")
+    eb.add_argument("--policies", default="lru,market",
+                    help="comma-separated policy names (default: %(default)s)")
+    policy_module_arg(eb)
+    eb.add_argument("--cache-blocks", type=int, default=None,
+                    help="pool size in blocks (default: where the simulator's LRU hits half "
+                         "of what an infinite cache would, or the nearest feasible size)")
+    eb.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    eb.add_argument("--time-scale", type=float, default=None,
+                    help="workload seconds per engine second (default: automatic, see --load)")
+    eb.add_argument("--load", type=float, default=0.5,
+                    help="offered load the automatic time scale aims at, as a fraction of "
+                         "the engine's estimated compute (default %(default)s)")
+    scheduler_args(eb, max_batched_tokens=512)
+    eb.add_argument("--cost-model", type=Path, default=None,
+                    help="a kvevict calibrate JSON (default: calibrate now)")
+    eb.add_argument("--cold-requests", type=int, default=5,
+                    help="first requests reported as the cold start (default %(default)s)")
+    eb.add_argument("--check", action="store_true",
+                    help="check the cache's invariants after every engine step (slow)")
+    engine_model_args(eb)
+    eb.add_argument("--out", type=Path,
+                    help="write results.json, answers.json (and calibration.json) here")
+    eb.add_argument("--quiet", action="store_true", help="no progress output")
+    cal.set_defaults(run=calibrate_command)
+    eb.set_defaults(run=engine_bench_command)
+
+
+def engine_model_args(parser: argparse.ArgumentParser) -> None:
+    """The built-in engine's model: a seeded random Llama-style decoder of these sizes."""
+    g = parser.add_argument_group("engine model (seeded random Llama-style weights)")
+    g.add_argument("--vocab", type=int, default=1024,
+                   help="vocabulary size; generated token ids are drawn below it (default "
+                        "%(default)s)")
+    g.add_argument("--hidden", type=int, default=128, help="hidden size (default %(default)s)")
+    g.add_argument("--layers", type=int, default=2, help="decoder layers (default %(default)s)")
+    g.add_argument("--heads", type=int, default=4, help="query heads (default %(default)s)")
+    g.add_argument("--kv-heads", type=int, default=2,
+                   help="key/value heads (GQA; default %(default)s)")
+    g.add_argument("--head-dim", type=int, default=32, help="head dimension (default %(default)s)")
+    g.add_argument("--intermediate", type=int, default=256,
+                   help="MLP intermediate size (default %(default)s)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="weights and KV dtype (default %(default)s)")
+    g.add_argument("--device", default="auto",
+                   help="torch device: auto (CUDA when available), cpu, cuda, cuda:N")
+    g.add_argument("--model-seed", type=int, default=0, help="weight seed (default 0)")
+    g.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: a small model gains little from more, "
+                        "and on a shared box spinning threads slow each other)")
+
+
+def engine_model(args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
+    """Build the engine's model from the flags; time the load and a first (cold) forward."""
+    import torch
+
+    from kvevict.engine import LlamaModel, ModelConfig
+    from kvevict.pool import BlockPool
+
+    if args.threads < 1:
+        raise ConfigError(f"--threads must be a positive int, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {device!r} is not a torch device (auto, cpu, cuda, "
+                          "cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available here; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device}: only cpu and cuda are supported")
+    config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                         num_layers=args.layers, num_heads=args.heads,
+                         num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                         intermediate_size=args.intermediate,
+                         dtype=getattr(torch, args.dtype))
+    t0 = time.perf_counter()
+    model = LlamaModel(config, seed=args.model_seed, device=dev)
+    load_s = time.perf_counter() - t0
+    # the first forward of a process pays for kernel selection and allocations: time it
+    pool = BlockPool(4, 16, config.layout(), device=dev)
+    table = [pool.allocate() for _ in range(4)]
+    ids = torch.arange(32, device=dev) % config.vocab_size
+    t0 = time.perf_counter()
+    model.forward_paged(pool, [(ids, 0, table)])
+    model.forward_paged(pool, [(ids[:1], 32, table)])
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    first_s = time.perf_counter() - t0
+    return model, {"load_s": round(load_s, 4), "first_forward_s": round(first_s, 4)}
+
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    from kvevict.engine.calibrate import (
+        DEFAULT_CACHED_LENGTHS,
+        DEFAULT_DECODE_BATCHES,
+        DEFAULT_DECODE_CONTEXTS,
+        DEFAULT_PREFILL_LENGTHS,
+        calibrate,
+    )
+
+    if args.out.exists() and args.out.is_dir():
+        raise ConfigError(f"--out {args.out} is a directory; give a file name")
+    model, startup = engine_model(args)
+    say = sayer(args)
+    cal = calibrate(
+        model, block_size=args.block_size,
+        prefill_lengths=args.prefill_lengths or list(DEFAULT_PREFILL_LENGTHS),
+        cached_lengths=args.cached_lengths or list(DEFAULT_CACHED_LENGTHS),
+        decode_batches=args.decode_batches or list(DEFAULT_DECODE_BATCHES),
+        decode_contexts=args.decode_contexts or list(DEFAULT_DECODE_CONTEXTS),
+        repeats=args.repeats, progress=say)
+    cal.engine.update(startup)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    cal.save(args.out)
+    e = cal.engine
+    print(f"calibrated {e['num_layers']}-layer hidden-{e['hidden_size']} engine ({e['dtype']} "
+          f"on {e['device']}, {e['torch_threads']} thread(s)) in {cal.seconds:.1f} s")
+    for name, value in cal.cost.to_dict().items():
+        print(f"  {name:28s} {value:.6g}")
+    fit = cal.fit_summary()
+    print(f"fit error: prefill mean {fit['prefill_mean_abs_rel_err']:.0%} (worst "
+          f"{fit['prefill_max_abs_rel_err']:.0%}), decode mean "
+          f"{fit['decode_mean_abs_rel_err']:.0%} (worst {fit['decode_max_abs_rel_err']:.0%})")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def engine_bench_command(args: argparse.Namespace) -> int:
+    from kvevict import workloads
+    from kvevict.cost import CostModel
+    from kvevict.engine_bench import format_report, run_bench, strip_answers
+    from kvevict.scheduler import SchedulerConfig
+
+    policies = parse_policies(args.policies, args.policy_module)
+    if args.requests < 1:
+        raise ConfigError(f"--requests must be a positive int, got {args.requests}")
+    if args.block_size < 1:
+        raise ConfigError(f"--block-size must be a positive int, got {args.block_size}")
+    if args.cold_requests < 0:
+        raise ConfigError(f"--cold-requests must be >= 0, got {args.cold_requests}")
+    if not 0 < args.load <= 10:
+        raise ConfigError(f"--load: the target load must be in (0, 10], got {args.load}")
+    if args.time_scale is not None and not (0 < args.time_scale < float("inf")):
+        raise ConfigError(f"--time-scale must be a positive finite number (the time scale), "
+                          f"got {args.time_scale}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise ConfigError(f"--out {args.out} exists and is not a directory")
+    cost = None
+    if args.cost_model is not None:
+        cost = CostModel.load(args.cost_model)
+    config = SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
+                             max_num_seqs=args.max_seqs, preemption=args.preemption)
+    kwargs: dict[str, Any] = {"vocab_size": args.vocab, "block_size": args.block_size}
+    if args.duration is not None:
+        kwargs["duration"] = args.duration
+    requests = workloads.generate(args.workload, seed=args.seed, scale=args.scale, **kwargs)
+    if len(requests) < args.requests:
+        raise ConfigError(f"workload {args.workload} (seed {args.seed}, scale {args.scale}) "
+                          f"has only {len(requests)} requests; lower --requests or raise "
+                          "--duration / --scale")
+    requests = requests[:args.requests]
+    say = sayer(args)
+    say(f"building the engine model ({args.layers} layers, hidden {args.hidden})")
+    model, startup = engine_model(args)
+    result = run_bench(requests, model, policies, block_size=args.block_size,
+                       capacity_blocks=args.cache_blocks, time_scale=args.time_scale,
+                       target_load=args.load, config=config, cost=cost,
+                       cold_requests=args.cold_requests, check=args.check, progress=say)
+    result["model"].update(startup)
+    if args.cost_model is not None:
+        result["calibration"]["path"] = str(args.cost_model)
+    result["command"] = recorded_command(args)
+    if args.policy_module:
+        result["policy_modules"] = policy_module_files(args)
+    result["workload"].update({"name": args.workload, "seed": args.seed, "scale": args.scale})
+    print(format_report(result, f"{args.workload} (seed {args.seed}, scale {args.scale:g})"))
+    if args.out is not None:
+        out: Path = args.out
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(
+            json.dumps(strip_answers(result), indent=2, sort_keys=True, default=str) + "\n")
+        (out / "answers.json").write_text(
+            json.dumps(result["answers_by_policy"], sort_keys=True) + "\n")
+        written = ["results.json", "answers.json"]
+        cal = result["calibration"]
+        if "cost_model" in cal:  # calibrated now: save it for --cost-model next time
+            (out / "calibration.json").write_text(json.dumps(
+                {k: v for k, v in cal.items() if k not in ("source", "path")}, indent=2,
+                sort_keys=True) + "\n")
+            written.append("calibration.json")
+        print(f"wrote {', '.join(written)} to {out}")
+    return 0 if result["lossless"] else 1
+
