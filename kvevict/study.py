@@ -1,0 +1,215 @@
+"""A study: the cells of a policy comparison (policy x cache size x seed), run serially, in
+worker processes, or as Ray tasks, with the same results every way.
+
+A `Study` says where the requests come from (`Source`: a generated workload, one trace per
+seed, or a trace file), the model's layout, the block size, the cost model and the
+scheduler's settings. A `Cell` is one simulation of it: a policy at a cache size on one
+seed's requests. `run_cell` runs one and returns its `SimResult.summary` plus the seed (and
+the per-request records when the cell asks for them); `run_cells` runs a list of them:
+
+- ``jobs=1``: one after another, in this process;
+- ``jobs=N``: in ``N`` worker processes (`concurrent.futures.ProcessPoolExecutor`);
+- ``ray=True``: as Ray tasks, on the cluster at ``ray_address`` or on a local one.
+
+Each cell is deterministic (a seeded generator, a virtual clock), so the three give the same
+list, in the order the cells were given; a test compares them cell for cell. A worker builds
+a seed's requests once and keeps them for the next cell of the same seed, and imports the
+study's ``policy_modules`` so that policies registered outside kvevict can be named there too.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvevict.cost import CostModel
+from kvevict.errors import ConfigError
+from kvevict.layout import KVLayout
+from kvevict.scheduler import SchedulerConfig
+from kvevict.types import Request
+
+__all__ = ["Cell", "Source", "Study", "run_cell", "run_cells"]
+
+#: Trace readers by ``--format`` name.
+READERS = ("jsonl", "mooncake", "alibaba", "sharegpt")
+
+
+@attrs.frozen
+class Source:
+    """Where a study's requests come from: ``workload`` (a generator name, with ``scale``
+    and ``duration``; each seed its own trace) or ``trace`` (a file in ``format``, the same
+    requests for every seed; ``block_size`` is the Mooncake trace's block size).
+    ``rate_scale`` multiplies the request rate (`kvevict.load.rate_scaled`)."""
+
+    workload: str | None = None
+    trace: str | None = None
+    format: str = "jsonl"
+    scale: float = 1.0
+    duration: float | None = None
+    block_size: int | None = None
+    rate_scale: float = 1.0
+
+    def __attrs_post_init__(self) -> None:
+        if (self.workload is None) == (self.trace is None):
+            raise ConfigError("a Source takes exactly one of workload= and trace=")
+        if self.format not in READERS:
+            raise ConfigError(f"unknown trace format {self.format!r}; valid formats: "
+                              f"{', '.join(READERS)}")
+
+    def requests(self, seed: int) -> list[Request]:
+        """The requests of ``seed`` (a trace file gives the same ones for every seed),
+        sorted by arrival."""
+        from kvevict import workloads
+
+        if self.workload is not None:
+            kwargs = {} if self.duration is None else {"duration": self.duration}
+            requests = workloads.generate(self.workload, seed=seed, scale=self.scale, **kwargs)
+        else:
+            path = Path(self.trace)  # type: ignore[arg-type]
+            if self.format == "mooncake":
+                requests = workloads.read_mooncake(path, block_size=self.block_size)
+            else:
+                reader = {"jsonl": workloads.read_jsonl, "alibaba": workloads.read_alibaba,
+                          "sharegpt": workloads.read_sharegpt}[self.format]
+                requests = reader(path)
+        requests = sorted(requests, key=lambda r: r.arrival)
+        if self.rate_scale != 1.0:
+            from kvevict.load import rate_scaled
+
+            requests = rate_scaled(requests, self.rate_scale)
+        return requests
+
+
+@attrs.frozen
+class Study:
+    """What every cell of a comparison shares."""
+
+    source: Source
+    layout: KVLayout
+    block_size: int
+    cost: CostModel
+    config: SchedulerConfig = attrs.field(factory=SchedulerConfig)
+    #: modules that register policies (``--policy-module``), imported by every worker
+    policy_modules: tuple[str, ...] = ()
+
+
+@attrs.frozen(order=True)
+class Cell:
+    """One simulation: ``policy`` at ``capacity_blocks`` on the requests of ``seed``;
+    ``records`` asks for the per-request records in the result."""
+
+    policy: str
+    capacity_blocks: int
+    seed: int
+    records: bool = False
+
+
+#: this process's requests by (source, seed): a worker builds each seed's trace once
+_REQUESTS: dict[tuple[Source, int], list[Request]] = {}
+
+
+def study_requests(study: Study, seed: int) -> list[Request]:
+    """``study``'s requests of ``seed``, built once per process."""
+    key = (study.source, seed)
+    if key not in _REQUESTS:
+        _REQUESTS.clear()  # one seed at a time: a worker keeps one trace, not all of them
+        _REQUESTS[key] = study.source.requests(seed)
+    return _REQUESTS[key]
+
+
+def run_cell(study: Study, cell: Cell) -> dict[str, Any]:
+    """Simulate ``cell``: its `SimResult.summary` with ``"seed"`` added, and with
+    ``"records"`` (one dict per request, in arrival order) when the cell asks for them."""
+    from kvevict.policies.registry import load_policy_modules
+    from kvevict.sim import simulate
+
+    if study.policy_modules:
+        load_policy_modules(list(study.policy_modules), flag="--policy-module", cwd=True)
+    result = simulate(study_requests(study, cell.seed), cell.policy,
+                      capacity_blocks=cell.capacity_blocks, layout=study.layout,
+                      block_size=study.block_size, cost=study.cost, config=study.config)
+    out = result.summary()
+    out["seed"] = cell.seed
+    if cell.records:
+        out["records"] = [attrs.asdict(r) for r in result.records]
+    return out
+
+
+def run_cells(study: Study, cells: Sequence[Cell], *, jobs: int = 1, ray: bool = False,
+              ray_address: str | None = None,
+              progress: Callable[[Cell], None] | None = None) -> list[dict[str, Any]]:
+    """`run_cell` for every cell, in the order given: serially (``jobs=1``), in ``jobs``
+    worker processes, or as Ray tasks (``ray=True``; ``ray_address`` names a running
+    cluster, None starts a local one with ``jobs`` CPUs). ``progress`` is called with each
+    cell as it finishes."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"jobs must be a positive int, got {jobs!r}")
+    cells = list(cells)
+    if ray:
+        return _run_ray(study, cells, jobs, ray_address, progress)
+    if jobs == 1 or len(cells) <= 1:
+        out = []
+        for cell in cells:
+            out.append(run_cell(study, cell))
+            if progress is not None:
+                progress(cell)
+        return out
+    # cells of one seed go to the same worker where possible: order them by seed so each
+    # worker's consecutive cells reuse its trace (results are put back in the given order)
+    order = sorted(range(len(cells)), key=lambda i: (cells[i].seed, i))
+    results: list[dict[str, Any] | None] = [None] * len(cells)
+    with ProcessPoolExecutor(max_workers=min(jobs, len(cells)),
+                             mp_context=_mp_context()) as pool:
+        futures = {pool.submit(run_cell, study, cells[i]): i for i in order}
+        for future in as_completed(futures):
+            i = futures[future]
+            results[i] = future.result()
+            if progress is not None:
+                progress(cells[i])
+    return results  # type: ignore[return-value]
+
+
+def _mp_context() -> Any:
+    """Fork where the platform has it (workers inherit the registry and imports at no
+    cost); spawn elsewhere (the worker imports the study's policy modules itself)."""
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    return multiprocessing.get_context(method)
+
+
+def _run_ray(study: Study, cells: list[Cell], jobs: int, address: str | None,
+             progress: Callable[[Cell], None] | None) -> list[dict[str, Any]]:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--ray needs Ray: pip install 'kvevict[ray]'") from None
+    started = False
+    if not ray.is_initialized():
+        if address is None:
+            ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+        started = True
+    try:
+        task = ray.remote(run_cell)
+        study_ref = ray.put(study)
+        refs = [task.remote(study_ref, cell) for cell in cells]
+        index = {ref: i for i, ref in enumerate(refs)}
+        results: list[dict[str, Any] | None] = [None] * len(cells)
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                i = index[ref]
+                results[i] = ray.get(ref)
+                if progress is not None:
+                    progress(cells[i])
+        return results  # type: ignore[return-value]
+    finally:
+        if started:
+            ray.shutdown()
