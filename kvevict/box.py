@@ -23,19 +23,21 @@ larger of two live sets:
   (``2 * hidden_size``), the gate-and-up projection (``2 * intermediate / gpus``) and its
   activation (``intermediate / gpus``) are live at once, per token, in 2-byte activations;
 - the sampler: ``max_num_seqs`` rows of full-vocabulary logits (tensor parallelism gathers
-  them to every rank), ``SAMPLER_BYTES_PER_LOGIT`` = 30 bytes per logit (the bf16 logits,
+  them whole onto the rank that samples, and the block count is the smallest over the
+  ranks), ``SAMPLER_BYTES_PER_LOGIT`` = 30 bytes per logit (the bf16 logits,
   their float32 copy, the sorted values and int64 indices, the softmax, its cumulative sum
   and the scattered result of vLLM's top-k/top-p path), plus the final hidden states.
 
 ``reserve`` is memory outside PyTorch's allocator: the CUDA context, cuBLAS and NCCL
 workspaces and CUDA graphs; `DEFAULT_RESERVE_BYTES` is 1 GiB per GPU (an estimate: vLLM's
 profiler logged 1.79 GiB of non-torch memory for Llama-3-8B on one H100 and 3.58 GiB on each
-of two, vllm-project/vllm PR #10511; vLLM >= 0.21 also subtracts CUDA graphs, under 1 GiB).
+of two, vllm-project/vllm PR #10511; newer vLLM versions also subtract CUDA graphs, "less
+than 1GB" in a vLLM maintainer's estimate, vllm-project/vllm issue #5193).
 The KV bytes per token on each GPU (`kv_bytes_per_token_per_gpu`) follow vLLM's sharding:
 KV heads split across the GPUs, or, when there are fewer KV heads than GPUs, one head per
 GPU, replicated; an MLA latent is replicated on every GPU. The block count is the KV bytes
 of one GPU over its share of a block. ``docs/box.md`` compares the formula with a published
-vLLM startup log (Llama-3-8B, one H100, 0.9: 53.29 GiB logged, 54.74 GiB here, +2.7%).
+vLLM startup log (Llama-3-8B, one H100, 0.9: 53.29 GiB logged, 54.75 GiB here, +2.7%).
 
 **Cost model** (`Box.cost_model`): `kvevict.cost.CostModel.for_model` with the profile's
 figures, tensor parallelism modelled as Megatron-LM does it (Shoeybi et al. 2019,
