@@ -99,15 +99,31 @@ class Study:
     policy_modules: tuple[str, ...] = ()
 
 
+#: what a cell runs: the timed simulation, or the exact untimed replay (`kvevict.replay`)
+MODES = ("timed", "replay")
+
+
 @attrs.frozen(order=True)
 class Cell:
     """One simulation: ``policy`` at ``capacity_blocks`` on the requests of ``seed``;
-    ``records`` asks for the per-request records in the result."""
+    ``records`` asks for the per-request records in the result. ``mode="replay"`` runs the
+    plain block-level replay instead (`kvevict.replay.replay`: one request at a time, no
+    timing), where Belady is the exact furthest-next-use oracle; ``capacity_blocks=None``
+    there is a pool that never evicts (the infinite cache of that replay)."""
 
     policy: str
-    capacity_blocks: int
+    capacity_blocks: int | None
     seed: int
     records: bool = False
+    mode: str = attrs.field(default="timed")
+
+    @mode.validator
+    def _check_mode(self, attribute: Any, value: Any) -> None:
+        if value not in MODES:
+            raise ConfigError(f"a cell's mode is one of {', '.join(MODES)}, got {value!r}")
+        if self.capacity_blocks is None and value != "replay":
+            raise ConfigError("only a replay cell may have an unbounded pool "
+                              "(capacity_blocks=None)")
 
 
 #: this process's requests by (source, seed): a worker builds each seed's trace once
@@ -125,13 +141,17 @@ def study_requests(study: Study, seed: int) -> list[Request]:
 
 def run_cell(study: Study, cell: Cell) -> dict[str, Any]:
     """Simulate ``cell``: its `SimResult.summary` with ``"seed"`` added, and with
-    ``"records"`` (one dict per request, in arrival order) when the cell asks for them."""
+    ``"records"`` (one dict per request, in arrival order) when the cell asks for them. A
+    replay cell gives its policy, mode, seed, capacity, hit ratios, requests and evictions."""
     from kvevict.policies.registry import load_policy_modules
     from kvevict.sim import simulate
 
     if study.policy_modules:
         load_policy_modules(list(study.policy_modules), flag="--policy-module", cwd=True)
-    result = simulate(study_requests(study, cell.seed), cell.policy,
+    requests = study_requests(study, cell.seed)
+    if cell.mode == "replay":
+        return _replay_cell(study, cell, requests)
+    result = simulate(requests, cell.policy,
                       capacity_blocks=cell.capacity_blocks, layout=study.layout,
                       block_size=study.block_size, cost=study.cost, config=study.config)
     out = result.summary()
@@ -139,6 +159,21 @@ def run_cell(study: Study, cell: Cell) -> dict[str, Any]:
     if cell.records:
         out["records"] = [attrs.asdict(r) for r in result.records]
     return out
+
+
+def _replay_cell(study: Study, cell: Cell, requests: list[Request]) -> dict[str, Any]:
+    from kvevict.replay import replay
+
+    capacity = cell.capacity_blocks
+    if capacity is None:  # room for every prompt block of the trace: nothing is evicted
+        capacity = sum(-(-max(r.prompt_len, len(r.block_hashes or ()) * study.block_size)
+                         // study.block_size) for r in requests) + 1
+    result = replay(requests, cell.policy, capacity, study.block_size)
+    return {"policy": cell.policy, "mode": "replay", "seed": cell.seed,
+            "capacity_blocks": cell.capacity_blocks,
+            "token_hit_ratio": round(result.token_hit_ratio, 6),
+            "block_hit_ratio": round(result.block_hit_ratio, 6),
+            "requests": result.requests, "evictions": result.evictions}
 
 
 def run_cells(study: Study, cells: Sequence[Cell], *, jobs: int = 1, ray: bool = False,

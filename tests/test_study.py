@@ -71,3 +71,20 @@ def test_source_needs_one_origin() -> None:
         Source()
     with pytest.raises(ConfigError, match="unknown trace format 'csv'"):
         Source(trace="x", format="csv")
+
+
+def test_replay_cells_are_the_exact_untimed_replay(study: Study) -> None:
+    from kvevict.replay import replay
+
+    requests = study.source.requests(0)
+    out = run_cell(study, Cell("belady", 400, 0, mode="replay"))
+    exact = replay(requests, "belady", 400, 16)
+    assert out["token_hit_ratio"] == round(exact.token_hit_ratio, 6)
+    assert out["block_hit_ratio"] == round(exact.block_hit_ratio, 6)
+    infinite = run_cell(study, Cell("lru", None, 0, mode="replay"))
+    assert infinite["evictions"] == 0
+    assert infinite["token_hit_ratio"] >= out["token_hit_ratio"]
+    with pytest.raises(ConfigError, match="only a replay cell may have an unbounded pool"):
+        Cell("lru", None, 0)
+    with pytest.raises(ConfigError, match="mode is one of timed, replay"):
+        Cell("lru", 4, 0, mode="fast")
