@@ -1,10 +1,29 @@
-"""``kvevict simulate``: compare eviction policies on a workload or a trace, print the
-table, and with ``--out DIR`` write ``results.json``, the plots and ``DECISION.md``."""
+"""``kvevict simulate``: compare eviction policies on a workload or a trace, on a named box,
+over several seeds, print the table with 95% intervals, and with ``--out DIR`` write
+``results.json``, the plots and ``DECISION.md``.
+
+The steps, in order:
+
+1. **the box** (`kvevict.box`): a GPU profile (``--gpu``, ``--gpus``,
+   ``--gpu-memory-utilization``) gives the cost model and the KV capacity vLLM would leave;
+   a ``--cache-gib`` / ``--cache-blocks`` beyond it is an error unless
+   ``--allow-oversubscribe``;
+2. **the load** (`kvevict.load`): the offered load ρ of the requests on that box, after
+   ``--rate-scale`` or the scale ``--target-load`` finds; ρ ≥ 1 is reported as unstable, and
+   then no decision is made on latencies;
+3. **the cells** (`kvevict.study`): every policy at the box's capacity and at the sweep's
+   sizes, on each seed, run in ``--jobs`` processes or as Ray tasks (``--ray``), plus the
+   exact untimed replay of LRU, Belady and an infinite cache at the decided size (the
+   headroom);
+4. **the answer** (`kvevict.report`): the table and the per-class p95 TTFT with their
+   intervals, and the decision against LRU by the paired per-seed interval.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,17 +47,32 @@ __all__ = ["DEFAULT_POLICIES", "add_parser", "simulate_command"]
 
 DEFAULT_POLICIES = ("lru", "lfu", "pinned", "market", "bayes", "dbms", "belady")
 DEFAULT_SWEEP = (0.5, 2.0, 4.0)
+DEFAULT_WORKLOAD = "chat-server"
+DEFAULT_GPU = "h100-sxm-80gb"
+DEFAULT_SEEDS = 5
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def add_parser(sub: Any) -> None:
     """The ``simulate`` subcommand's options."""
+    from kvevict.box import GPU_PROFILES
+
     sim = sub.add_parser("simulate", help="compare eviction policies on a workload or trace")
     src = sim.add_mutually_exclusive_group()
     src.add_argument("--workload", default=None,
-                     help="built-in workload generator (default: chat-server)")
+                     help=f"built-in workload generator (default: {DEFAULT_WORKLOAD})")
     src.add_argument("--trace", type=Path, help="a trace file instead of a generator")
     sim.add_argument("--format", choices=FORMATS, default="jsonl", help="trace file format")
     generator_args(sim)
+    sim.add_argument("--seeds", type=int, default=None,
+                     help=f"generator seeds, from --seed on (default {DEFAULT_SEEDS}; a trace "
+                          "file is one sample: 1)")
     sim.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                      help="comma-separated policy names (default: %(default)s)")
     policy_module_arg(sim)
@@ -47,10 +81,28 @@ def add_parser(sub: Any) -> None:
                        help=f"model preset: {', '.join(PRESETS)} (default %(default)s)")
     model.add_argument("--model-config", type=Path,
                        help="a Hugging Face config.json to size the KV cache from")
+    box = sim.add_argument_group("the box (docs/box.md)")
+    box.add_argument("--gpu", default=DEFAULT_GPU,
+                     help=f"accelerator profile: {', '.join(GPU_PROFILES)}, or the JSON "
+                          "`kvevict calibrate` wrote (this machine) (default %(default)s)")
+    box.add_argument("--gpus", type=int, default=1,
+                     help="GPUs in the tensor-parallel group (default 1)")
+    box.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                     help="share of GPU memory the engine may use, as vLLM's flag "
+                          "(default %(default)s)")
     cap = sim.add_mutually_exclusive_group()
     cap.add_argument("--cache-gib", type=float, default=None,
-                     help="KV cache size in GiB (default: 1)")
-    cap.add_argument("--cache-blocks", type=int, default=None, help="KV cache size in blocks")
+                     help="KV cache size in GiB (default: what the box leaves for KV)")
+    cap.add_argument("--cache-blocks", type=int, default=None,
+                     help="KV cache size in blocks (default: what the box leaves for KV)")
+    sim.add_argument("--allow-oversubscribe", action="store_true",
+                     help="allow a cache larger than the box holds (a what-if study; "
+                          "recorded in results.json)")
+    load = sim.add_mutually_exclusive_group()
+    load.add_argument("--rate-scale", type=float, default=None,
+                      help="multiply the request rate by X (divide inter-arrival times)")
+    load.add_argument("--target-load", type=float, default=None,
+                      help="scale the request rate so the offered load ρ is this (e.g. 0.7)")
     sim.add_argument("--block-size", type=int, default=None,
                      help="tokens per block (default 16; a Mooncake trace's own, 512 unless "
                           "the file says otherwise, and no other)")
@@ -60,6 +112,15 @@ def add_parser(sub: Any) -> None:
                           "are skipped)")
     sim.add_argument("--no-sweep", action="store_true", help="skip the capacity sweep")
     scheduler_args(sim, max_batched_tokens=2048)
+    run = sim.add_argument_group("running the cells")
+    run.add_argument("--jobs", type=int, default=None,
+                     help=f"worker processes (default: every core, here {_cpus()})")
+    run.add_argument("--ray", action="store_true",
+                     help="run the cells as Ray tasks (pip install 'kvevict[ray]')")
+    run.add_argument("--ray-address", default=None,
+                     help="a running Ray cluster (default with --ray: a local one)")
+    sim.add_argument("--records", action="store_true",
+                     help="put every request's record of the decided size in results.json")
     sim.add_argument("--out", type=Path, help="write results.json, plots and DECISION.md here")
     sim.add_argument("--quiet", action="store_true", help="no progress output")
     sim.set_defaults(run=simulate_command)
@@ -74,7 +135,6 @@ def blocks_needed(request: Any, block_size: int) -> int:
     return -(-(prompt + request.output_len) // block_size)
 
 
-
 def _layout(args: argparse.Namespace) -> KVLayout:
     if args.model_config is not None:
         try:
@@ -85,145 +145,283 @@ def _layout(args: argparse.Namespace) -> KVLayout:
     return preset(args.model)
 
 
-def _requests(args: argparse.Namespace) -> tuple[list[Any], str, int | None]:
-    """The requests, the workload's label, and the block size the trace fixes (a Mooncake
-    trace's hash ids are blocks of its own size; None: the trace or generator fixes none)."""
+def _source(args: argparse.Namespace) -> tuple[Any, str, int | None]:
+    """The `kvevict.study.Source`, the workload's label, and the block size the trace fixes
+    (a Mooncake trace's hash ids are blocks of its own size; None: nothing fixes one)."""
     from kvevict import workloads
+    from kvevict.study import Source
 
     if args.trace is not None:
-        readers = {"jsonl": workloads.read_jsonl, "mooncake": workloads.read_mooncake,
-                   "alibaba": workloads.read_alibaba, "sharegpt": workloads.read_sharegpt}
         if not args.trace.exists():
             raise ConfigError(f"trace file {args.trace} does not exist")
+        if not args.trace.is_file():
+            raise ConfigError(f"--trace {args.trace} is not a file")
         if args.scale != 1 or args.duration is not None:
             raise ConfigError("--scale and --duration shape a generated workload; they do not "
                               "apply to --trace")
         label = f"{args.trace.name} ({args.format})"
+        block_size = None
         if args.format == "mooncake":
             block_size = workloads.check_block_size(args.trace, args.block_size,
                                                     flag="--block-size")
-            return workloads.read_mooncake(args.trace, block_size=block_size), label, block_size
-        return readers[args.format](args.trace), label, None
-    name = args.workload or "chat-server"
-    kwargs = {} if args.duration is None else {"duration": args.duration}
-    requests = workloads.generate(name, seed=args.seed, scale=args.scale, **kwargs)
-    return requests, name if args.scale == 1 else f"{name} (scale {args.scale:g})", None
+        return (Source(trace=str(args.trace), format=args.format, block_size=block_size),
+                label, block_size)
+    name = args.workload or DEFAULT_WORKLOAD
+    if name not in workloads.available_workloads():
+        raise ConfigError(f"unknown workload {name!r} for --workload; valid workloads: "
+                          f"{', '.join(workloads.available_workloads())}")
+    label = name if args.scale == 1 else f"{name} (scale {args.scale:g})"
+    return Source(workload=name, scale=args.scale, duration=args.duration), label, None
 
+
+def _check(args: argparse.Namespace) -> None:
+    if args.block_size is not None and args.block_size <= 0:
+        raise ConfigError(f"--block-size must be a positive int, got {args.block_size}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise ConfigError(f"--out {args.out} exists and is not a directory")
+    if args.seeds is not None and args.seeds < 1:
+        raise ConfigError(f"--seeds must be a positive int, got {args.seeds}")
+    if args.seeds is not None and args.seeds > 1 and args.trace is not None:
+        raise ConfigError(f"--seeds {args.seeds}: a trace file is one sample (seeds shape a "
+                          "generated workload); drop --seeds or use --workload")
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs must be a positive int, got {args.jobs}")
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus must be a positive int, got {args.gpus}")
+    for flag, value in (("--rate-scale", args.rate_scale), ("--target-load", args.target_load)):
+        if value is not None and not 0 < value < float("inf"):
+            raise ConfigError(f"{flag} must be a positive finite number, got {value}")
+    if not args.no_sweep:
+        bad = [m for m in args.sweep if not 0 < m < float("inf")]
+        if bad or not args.sweep:
+            raise ConfigError(f"--sweep takes positive finite capacity multipliers, got "
+                              f"{', '.join(map(str, bad)) or '(none)'}")
+    if args.ray_address is not None and not args.ray:
+        raise ConfigError("--ray-address names the cluster for --ray; add --ray")
+
+
+def _box(args: argparse.Namespace) -> Any:
+    from kvevict.box import Box, GpuProfile, gpu_profile
+
+    name = args.gpu
+    path = Path(name)
+    if name.endswith(".json") or path.is_file():
+        if not path.is_file():
+            raise ConfigError(f"--gpu {name}: no such calibration file")
+        gpu = GpuProfile.from_calibration(path)
+    else:
+        gpu = gpu_profile(name)
+    return Box(gpu, gpus=args.gpus, gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def simulate_command(args: argparse.Namespace) -> int:
     from kvevict import report
+    from kvevict.box import check_capacity, kv_cache_bytes
+    from kvevict.cost import CostModel
+    from kvevict.load import instability_message, offered_load, scale_for_load
     from kvevict.policies.registry import is_offline
     from kvevict.scheduler import SchedulerConfig
-    from kvevict.sim import simulate
+    from kvevict.study import Cell, Study, run_cells, study_requests
 
     policies = parse_policies(args.policies, args.policy_module)
     if all(is_offline(p) for p in policies):
         bound = "is the offline bound" if len(set(policies)) == 1 else "are offline bounds"
         raise ConfigError("--policies needs at least one online policy to choose from "
                           f"({', '.join(policies)} {bound})")
-    if args.block_size is not None and args.block_size <= 0:
-        raise ConfigError(f"--block-size must be a positive int, got {args.block_size}")
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        raise ConfigError(f"--out {args.out} exists and is not a directory")
-    if args.trace is not None and args.trace.exists() and not args.trace.is_file():
-        raise ConfigError(f"--trace {args.trace} is not a file")
+    _check(args)
+    say = (lambda line: None) if args.quiet else (
+        lambda line: print(line, file=sys.stderr, flush=True))
     layout = _layout(args)
-    requests, workload, trace_block_size = _requests(args)
-    if not requests:
-        raise ConfigError(f"{workload} holds no requests")
+    source, workload, trace_block_size = _source(args)
     block_size = trace_block_size or args.block_size or 16
+    box = _box(args)
+    config = SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
+                             max_num_seqs=args.max_seqs, preemption=args.preemption)
+    try:
+        cost = box.cost_model(layout)
+        cost_note = None
+    except ConfigError as exc:  # a --model-config of unknown parameter count
+        cost = CostModel()
+        cost_note = f"{exc}; timing with the default cost model (Llama-3-8B on one H100)"
+        print(f"note: {cost_note}", file=sys.stderr)
+    try:
+        kv = kv_cache_bytes(box, layout, max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_num_seqs=config.max_num_seqs)
+    except ConfigError as exc:
+        if args.cache_blocks is None and args.cache_gib is None:
+            raise
+        kv = None  # the model's size is unknown: the given cache stands on its own
+        print(f"note: {exc}; the box's KV capacity is unknown", file=sys.stderr)
+    box_blocks = kv.blocks(block_size) if kv is not None else None
     if args.cache_blocks is not None:
-        capacity = args.cache_blocks
-        if capacity <= 0:
-            raise ConfigError(f"--cache-blocks must be positive, got {capacity}")
-    else:
-        gib = 1.0 if args.cache_gib is None else args.cache_gib
+        capacity, label = args.cache_blocks, None
+    elif args.cache_gib is not None:
+        gib = args.cache_gib
         if not gib > 0 or gib == float("inf"):
             raise ConfigError(f"--cache-gib must be a positive finite number, got {gib}")
-        capacity = layout.blocks_for_bytes(gib * GIB, block_size)
+        capacity, label = layout.blocks_for_bytes(gib * GIB, block_size), f"--cache-gib {gib:g}"
         if capacity < 1:
             raise ConfigError(f"{gib} GiB holds no block of {block_size} tokens of "
                               f"{layout.name or 'this model'} "
                               f"({layout.bytes_per_block(block_size):,} bytes per block)")
-    largest = max(requests, key=lambda r: blocks_needed(r, block_size))
-    min_blocks = blocks_needed(largest, block_size)
+    else:
+        capacity, label = box_blocks, None
+    oversubscribed = False
+    if kv is not None and (args.cache_blocks is not None or args.cache_gib is not None):
+        oversubscribed = check_capacity(capacity, kv, block_size,
+                                        allow_oversubscribe=args.allow_oversubscribe,
+                                        label=label)
+    n_seeds = args.seeds or (1 if args.trace is not None else DEFAULT_SEEDS)
+    seeds = list(range(args.seed, args.seed + n_seeds))
+
+    # the load: one rate scale for every seed, found on the first seed's requests
+    first = source.requests(seeds[0])
+    if not first:
+        raise ConfigError(f"{workload} holds no requests")
+    rate_scale = 1.0
+    if args.target_load is not None:
+        rate_scale = scale_for_load(first, cost, block_size, args.target_load,
+                                    max_batch=config.max_num_seqs)
+    elif args.rate_scale is not None:
+        rate_scale = args.rate_scale
+    if rate_scale != 1.0:
+        import attrs
+
+        source = attrs.evolve(source, rate_scale=rate_scale)
+    study = Study(source, layout, block_size, cost, config, tuple(args.policy_module))
+    load = offered_load(study_requests(study, seeds[0]), cost, block_size,
+                        max_batch=config.max_num_seqs)
+    load_info = {**load.to_dict(), "rho": load.rho, "stable": load.stable,
+                 "rate_scale": rate_scale}
+    if args.target_load is not None:
+        load_info["target_load"] = args.target_load
+
+    min_blocks = 0
+    for s in seeds:
+        requests = study_requests(study, s)
+        if not requests:
+            raise ConfigError(f"{workload} (seed {s}) holds no requests")
+        largest = max(requests, key=lambda r: blocks_needed(r, block_size))
+        need = blocks_needed(largest, block_size)
+        if need > min_blocks:
+            min_blocks, widest = need, largest
     if capacity < min_blocks:
         raise ConfigError(
             f"the cache ({capacity:,} blocks of {block_size} tokens) cannot hold request "
-            f"{largest.request_id!r}, which needs {min_blocks:,} blocks; use at least "
+            f"{widest.request_id!r}, which needs {min_blocks:,} blocks; use at least "
             f"--cache-blocks {min_blocks}"
         )
-    config = SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
-                             max_num_seqs=args.max_seqs, preemption=args.preemption)
     sweep_caps = [] if args.no_sweep else sorted(
         {max(1, round(capacity * m)) for m in args.sweep} - {capacity})
     too_small = [c for c in sweep_caps if c < min_blocks]
-    if too_small and not args.quiet:
-        print(f"note: sweep sizes {', '.join(map(str, too_small))} blocks skipped: they cannot "
-              f"hold the largest request ({min_blocks} blocks)", file=sys.stderr)
+    if too_small:
+        say(f"note: sweep sizes {', '.join(map(str, too_small))} blocks skipped: they cannot "
+            f"hold the largest request ({min_blocks} blocks)")
     sweep_caps = [c for c in sweep_caps if c >= min_blocks]
-    progress = Progress(len(policies) * (1 + len(sweep_caps)), args.quiet)
-    from kvevict.cost import CostModel
 
-    try:
-        cost = CostModel.for_model(layout)
-    except ConfigError:
-        cost = CostModel()  # unknown parameter count: the Llama-3-8B default
-    main_results = {}
-    for p in policies:
-        main_results[p] = simulate(requests, p, capacity_blocks=capacity, layout=layout,
-                                   block_size=block_size, cost=cost, config=config)
-        progress.update(f"{p} @ {capacity:,} blocks")
-    sweep = [r.summary() for r in main_results.values()]
-    for cap in sweep_caps:
-        for p in policies:
-            sweep.append(simulate(requests, p, capacity_blocks=cap, layout=layout,
-                                  block_size=block_size, cost=cost, config=config).summary())
-            progress.update(f"{p} @ {cap:,} blocks")
-    summaries = [r.summary() for r in main_results.values()]
     tokens_cap = capacity * block_size
     capacity_desc = (f"{capacity:,} blocks of {block_size} tokens = {tokens_cap:,} tokens = "
                      f"{capacity * layout.bytes_per_block(block_size) / GIB:.2f} GiB")
-    print(f"workload {workload}: {len(requests)} requests; model {layout.name}; cache "
-          f"{capacity_desc}")
-    print(report.format_table(summaries))
-    chosen, why = report.explain_choice(summaries)
-    print(f"\nchosen: {chosen['policy']} ({why})")
+    if oversubscribed:
+        capacity_desc += f" (oversubscribed: the box holds {box_blocks:,} blocks)"
+    print(f"workload {workload}: {len(first):,} requests (seed {seeds[0]}), "
+          f"{n_seeds} seed{'s' if n_seeds != 1 else ''}; model {layout.name}")
+    print(f"box: {kv.text(block_size) if kv is not None else box.describe()}")
+    print(f"cache: {capacity_desc}")
+    print(f"load: {load.text()}" + (f" at rate scale {rate_scale:.3g}" if rate_scale != 1 else ""))
+    unstable_message = instability_message(load)
+    if unstable_message:
+        print(f"warning: {unstable_message}; no decision is made on latencies")
+
+    cells = [Cell(p, c, s, records=(c == capacity and (args.records or s == seeds[0])))
+             for c in [capacity, *sweep_caps] for s in seeds for p in policies]
+    cells += [Cell(p, c, s, mode="replay") for s in seeds
+              for p, c in (("lru", capacity), ("belady", capacity), ("lru", None))]
+    jobs = args.jobs or _cpus()
+    progress = Progress(len(cells), args.quiet)
+    results = run_cells(study, cells, jobs=jobs, ray=args.ray, ray_address=args.ray_address,
+                        progress=lambda c: progress.update(
+                            f"{c.policy} @ {c.capacity_blocks or 'inf'} s{c.seed}"
+                            + (" replay" if c.mode == "replay" else "")))
+    timed = [r for r, c in zip(results, cells, strict=True) if c.mode == "timed"]
+    replays = [r for r, c in zip(results, cells, strict=True) if c.mode == "replay"]
+    records = {(r["policy"], r["seed"]): r.pop("records") for r in timed if "records" in r}
+    main_cells = [r for r in timed if r["capacity_blocks"] == capacity]
+    headroom = _headroom(replays, capacity)
+
+    print(report.format_table(main_cells, load=load_info))
+    print()
+    print(report.format_class_table(main_cells, load=load_info))
+    choice = report.choose_policy(main_cells, load=load_info)
+    print(f"\nchosen: {choice.policy} ({choice.reason})")
     if args.out is not None:
         out: Path = args.out
         out.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "workload": workload, "seed": args.seed, "model": layout.name,
+        payload: dict[str, Any] = {
+            "workload": workload, "seeds": seeds, "model": layout.name,
             "bytes_per_token": layout.bytes_per_token, "block_size": block_size,
-            "capacity_blocks": capacity, "scheduler": {
-                "max_num_batched_tokens": config.max_num_batched_tokens,
-                "max_num_seqs": config.max_num_seqs, "preemption": config.preemption},
-            "results": summaries, "sweep": sorted(
-                sweep, key=lambda s: (s["policy"], s["capacity_blocks"])),
-            "chosen": chosen["policy"],
+            "box": {"description": box.describe(), "gpu": box.gpu.name, "gpus": box.gpus,
+                    "gpu_memory_utilization": box.gpu_memory_utilization,
+                    "kv_capacity": kv.to_dict(block_size) if kv is not None else None},
+            "capacity_blocks": capacity, "oversubscribed": oversubscribed,
+            "load": load_info, "cost_model": cost.to_dict(),
+            "scheduler": {"max_num_batched_tokens": config.max_num_batched_tokens,
+                          "max_num_seqs": config.max_num_seqs,
+                          "preemption": config.preemption},
+            "cells": sorted(timed, key=lambda s: (s["capacity_blocks"], s["policy"],
+                                                  s["seed"])),
+            "replay": replays, "headroom": {k: v.to_dict() for k, v in headroom.items()},
+            "chosen": choice.policy, "decision": {
+                "policy": choice.policy, "reason": choice.reason,
+                "significant": choice.significant, "metric": choice.metric,
+                "latency_decision": choice.latency_decision},
+            "command": recorded_command(args),
         }
+        if cost_note:
+            payload["cost_note"] = cost_note
+        if args.records:
+            payload["records"] = [{"policy": p, "seed": s, "records": recs}
+                                  for (p, s), recs in sorted(records.items())]
         if args.policy_module:
             payload["policy_modules"] = policy_module_files(args)
-        (out / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-        command = recorded_command(args)
+        (out / "results.json").write_text(
+            json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
         layout_desc = (f"{layout.attention.upper()}, {layout.num_layers} layers, "
                        f"{layout.bytes_per_token:,} KV bytes per token ({layout.dtype})")
         (out / "DECISION.md").write_text(report.decision_record(
-            summaries, workload=workload, model=layout.name or "custom",
-            layout_desc=layout_desc, capacity_desc=capacity_desc, seed=args.seed,
-            command=command, sweep=sweep))
+            timed, workload=workload, model=layout.name or "custom",
+            layout_desc=layout_desc, capacity_desc=capacity_desc,
+            command=payload["command"], box=box.describe(), load=load_info,
+            headroom=headroom, capacity_blocks=capacity))
         written = ["results.json", "DECISION.md"]
         try:
             if sweep_caps:
-                report.plot_hit_ratio(sweep, out / "hit_ratio.png",
+                report.plot_hit_ratio(timed, out / "hit_ratio.png",
                                       f"{workload}: hit ratio vs cache size")
                 written.append("hit_ratio.png")
             report.plot_ttft_cdf(
-                {p: [rec.ttft for rec in r.records] for p, r in main_results.items()},
+                {p: {s: [rec["ttft"] for rec in recs]} for (p, s), recs in records.items()
+                 if s == seeds[0]},
                 out / "ttft_cdf.png", f"{workload}: TTFT at {capacity:,} blocks")
             written.append("ttft_cdf.png")
+            report.plot_class_p95(main_cells, out / "class_p95.png",
+                                  f"{workload}: p95 TTFT by class at {capacity:,} blocks")
+            written.append("class_p95.png")
         except ImportError as exc:
             print(f"note: {exc}", file=sys.stderr)
         print(f"wrote {', '.join(written)} to {out}")
     return 0
+
+
+def _headroom(replays: list[dict[str, Any]], capacity: int) -> dict[str, Any]:
+    """The exact untimed replay's token hit ratios at the decided size, mean ± 95% CI over
+    the seeds: LRU, the exact Belady oracle, and the infinite cache."""
+    from kvevict.stats import interval
+
+    def of(policy: str, cap: int | None) -> Any:
+        values = [r["token_hit_ratio"] for r in replays
+                  if r["policy"] == policy and r["capacity_blocks"] == cap]
+        return interval(values)
+
+    return {"lru": of("lru", capacity), "belady_exact": of("belady", capacity),
+            "infinite": of("lru", None)}
