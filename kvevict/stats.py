@@ -149,6 +149,10 @@ def _decimals(spec: str) -> int:
     return 6
 
 
+def _same_float(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
 @attrs.frozen
 class Interval:
     """A mean over ``n`` seeds and the half-width of its two-sided confidence interval.
@@ -161,7 +165,8 @@ class Interval:
     """
 
     mean: float
-    half: float
+    #: ``nan`` (unknown) with one seed; two unknown half-widths compare equal
+    half: float = attrs.field(eq=attrs.cmp_using(eq=_same_float), hash=False)
     n: int
     confidence: float = 0.95
 
