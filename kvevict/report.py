@@ -738,8 +738,12 @@ def _save(fig: Any, path: Path) -> None:
 
 
 def size_label(n: float) -> str:
-    """A cache size as a tick label: ``"480"``, ``"1.25k"``, ``"20k"``, ``"1.5M"`` (decimal
-    thousands, at most three significant digits)."""
+    """A cache size as a tick label, at most three significant digits: ``"480"``,
+    ``"1.25k"``, ``"20k"``, ``"1.5M"``. ``k`` is 1,000, except for a multiple of 1,024 (a pool
+    sized in powers of two), where it is 1,024: ``1024 -> "1k"``, ``6144 -> "6k"``; the exact
+    sizes are in the tables."""
+    if n >= 1024 and n % 1024 == 0 and n < 1024 ** 2:
+        return f"{n / 1024:.3g}k"
     for div, suffix in ((1e6, "M"), (1e3, "k")):
         if n >= div:
             return f"{n / div:.3g}{suffix}"
@@ -805,7 +809,8 @@ def hit_ratio_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
                 markerfacecolor="none" if is_offline(p) else style["color"])
         if all(iv.known for _, iv in pts):
             ax.fill_between(xs, [iv.low for _, iv in pts], [iv.high for _, iv in pts],
-                            color=style["color"], alpha=0.1, linewidth=0, zorder=2)
+                            color=style["color"], alpha=max(0.04, 0.3 / m), linewidth=0,
+                            zorder=2)
     if exact:
         ex = sorted(exact.items())
         ax.plot([c for c, _ in ex], [_mean(v) for _, v in ex], color="black", linestyle="--",
@@ -823,7 +828,9 @@ def hit_ratio_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
     notes = []
     if m > 1:
         notes.append(f"x shifted ≤ ±{spread:.0%} per policy\nso coinciding lines stay visible")
-    notes.append("1 seed: no interval" if one_seed else f"bands: {confidence:.0%} CI over seeds")
+    notes.append("1 seed: no interval" if one_seed else
+                 f"bands: {confidence:.0%} CI over seeds, each\npolicy alone (the decision "
+                 "pairs seeds)")
     _decorate(fig, ax, title, "cache size (blocks, log scale)", _metric_text(metric)[0],
               "\n".join(notes))
     return fig
@@ -913,9 +920,10 @@ def class_p95_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
     """Per-class ``metric`` (p95 TTFT) as grouped bars: one group per workload class (its
     request count per seed under the name), one bar per policy in its fixed colour (an
     offline policy white, hatched, edged in its colour) with the 95% CI as an error bar
-    (none with one seed). A log y axis when the classes differ by more than 30x, so a fast
-    class stays readable next to a slow one. ``cells``: cells or rows at one cache size
-    (``capacity_blocks`` picks it when there are several)."""
+    (none with one seed; the lower bar is cut at 0, since a time is never negative). A log y
+    axis when the classes differ by more than 30x, so a fast class stays readable next to a
+    slow one. ``cells``: cells or rows at one cache size (``capacity_blocks`` picks it when
+    there are several)."""
     rows = _rows(cells, confidence)
     caps = list(dict.fromkeys(r["capacity_blocks"] for r in rows))
     if capacity_blocks is None and len(caps) > 1:
@@ -934,7 +942,10 @@ def class_p95_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
         ivs = [(r.get("classes") or {}).get(c, {}).get(metric) for c in classes]
         xs = [k + (i - (len(rows) - 1) / 2) * width for k in range(len(classes))]
         means = [iv.mean if isinstance(iv, Interval) else float("nan") for iv in ivs]
-        errs = [iv.half if isinstance(iv, Interval) and iv.known else 0.0 for iv in ivs]
+        halves = [iv.half if isinstance(iv, Interval) and iv.known else 0.0 for iv in ivs]
+        # a latency is never negative: the lower bar stops at 0 (the table has the interval)
+        errs = [[min(h, max(mu, 0.0)) if not math.isnan(mu) else 0.0
+                 for h, mu in zip(halves, means, strict=True)], halves]
         values += [v for v in means if v > 0]
         style = policy_style(r["policy"])
         offline = is_offline(r["policy"])

@@ -26,6 +26,7 @@ evaluated by its continued fraction (A&S 26.5.8) with the modified Lentz method 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -94,22 +95,14 @@ def _t_cdf(t: float, df: float) -> float:
     return 1.0 - tail if t >= 0 else tail
 
 
-def t_quantile(p: float, df: float) -> float:
-    """The ``p`` quantile of Student's t distribution with ``df`` degrees of freedom: the ``t``
-    with ``P(T <= t) = p``. ``df`` may be any positive number, or ``math.inf`` for the standard
-    normal. Exact to about 1e-12 (bisection on the CDF to machine precision).
-
-    Raises:
-        ConfigError: ``p`` not strictly between 0 and 1, or ``df`` not positive.
-    """
-    if not 0.0 < p < 1.0:
-        raise ConfigError(f"a quantile's probability must be strictly between 0 and 1, got {p}")
-    if not df > 0:
-        raise ConfigError(f"degrees of freedom must be positive, got {df}")
+@functools.lru_cache(maxsize=1024)
+def _t_quantile(p: float, df: float) -> float:
+    """`t_quantile` without the checks, cached: a sweep asks for the same few quantiles (one
+    per seed count) for every metric of every row."""
     if p == 0.5:
         return 0.0
     if p < 0.5:
-        return -t_quantile(1.0 - p, df)
+        return -_t_quantile(1.0 - p, df)
     lo, hi = 0.0, 1.0
     while _t_cdf(hi, df) < p:
         lo, hi = hi, hi * 2.0
@@ -122,6 +115,21 @@ def t_quantile(p: float, df: float) -> float:
         else:
             hi = mid
     return 0.5 * (lo + hi)
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The ``p`` quantile of Student's t distribution with ``df`` degrees of freedom: the ``t``
+    with ``P(T <= t) = p``. ``df`` may be any positive number, or ``math.inf`` for the standard
+    normal. Exact to about 1e-12 (bisection on the CDF to machine precision).
+
+    Raises:
+        ConfigError: ``p`` not strictly between 0 and 1, or ``df`` not positive.
+    """
+    if not 0.0 < p < 1.0:
+        raise ConfigError(f"a quantile's probability must be strictly between 0 and 1, got {p}")
+    if not df > 0:
+        raise ConfigError(f"degrees of freedom must be positive, got {df}")
+    return _t_quantile(float(p), float(df))
 
 
 # -- intervals ----------------------------------------------------------------------------------

@@ -335,8 +335,9 @@ def test_other_names_hash_deterministically_into_a_separate_palette():
 
 
 def test_size_labels():
-    assert [report.size_label(n) for n in (480, 1250, 2500, 5000, 20000, 1024, 1_500_000)] == [
-        "480", "1.25k", "2.5k", "5k", "20k", "1.02k", "1.5M"]
+    sizes = (480, 1250, 2500, 5000, 20000, 1_500_000, 1024, 3072, 6144, 1000, 1536)
+    assert [report.size_label(n) for n in sizes] == [
+        "480", "1.25k", "2.5k", "5k", "20k", "1.5M", "1k", "3k", "6k", "1k", "1.54k"]
 
 
 # -- plots ----------------------------------------------------------------------------------
@@ -403,9 +404,13 @@ def test_class_p95_figure_bars_and_error_bars():
         pytest.approx((0x1f / 255, 0x77 / 255, 0xb4 / 255)),
         pytest.approx((0xd6 / 255, 0x27 / 255, 0x28 / 255))]
     segments = [c for c in ax.collections if len(c.get_segments()) == 2]
-    spans = sorted(abs(s[1][1] - s[0][1]) / 2 for c in segments for s in c.get_segments())
-    assert spans == pytest.approx(sorted(12.706205 * d for d in (0.1, 0.1, 0.05, 0.05)))
+    tops = sorted(max(s[0][1], s[1][1]) for c in segments for s in c.get_segments())
+    # mean + half, half = 12.706205 * |a - b| / 2 over the two seeds
+    assert tops == pytest.approx(sorted([0.6 + 12.706205 * 0.1, 0.4 + 12.706205 * 0.1,
+                                         0.3 + 12.706205 * 0.05, 0.2 + 12.706205 * 0.05]))
     assert [t.get_text() for t in ax.get_xticklabels()] == ["chat\n(9 req)", "batch\n(2 req)"]
+    lows = sorted(min(s[0][1], s[1][1]) for c in segments for s in c.get_segments())
+    assert lows == [0.0, 0.0, 0.0, 0.0]  # every half-width exceeds its mean: cut at 0
 
 
 def test_plots_write_reproducible_pngs(tmp_path):
