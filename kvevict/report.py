@@ -111,7 +111,9 @@ def _load_text(load: Mapping[str, Any]) -> str:
     scale = load.get("rate_scale")
     if isinstance(scale, (int, float)):
         parts.append(f"rate scale {scale:g}")
-    return ", ".join(parts) or "load marked unstable"
+    if parts:
+        return ", ".join(parts)
+    return "marked unstable" if load.get("stable") is False else "ρ not given"
 
 
 def _unstable_note(load: Mapping[str, Any] | None) -> str:
@@ -230,12 +232,13 @@ def format_table(rows: Sequence[Mapping[str, Any]], markdown: bool = False, *,
 
     ``rows`` are `kvevict.stats.aggregate`'s rows, or cells (summaries with ``"seed"``), which
     are aggregated first. A ``blocks`` column appears when the rows hold several cache sizes,
-    a ``seeds`` column when they hold different numbers of seeds. When every row is one seed,
-    the cells show the means alone and a note says there is no interval. When the load is unstable
-    (`is_unstable`, or a row whose ``"stable"`` is false), the latency headers carry ``†`` and
-    a note under the table says why. Offline policies are labelled ``(approx.)``
-    (`policy_label`), with a note (``notes=False`` leaves the notes out, for a second table
-    under the first). ``columns``: ``(header, key, format spec, always shown)``.
+    a ``seeds`` column when they hold different numbers of seeds. When every row is one
+    seed, the cells show the means alone and a note says there is no interval. When the load
+    is unstable (`is_unstable`, or a row whose ``"stable"`` is false), the latency headers
+    carry ``†`` and a note under the table says why. Offline policies are labelled
+    ``(approx.)`` (`policy_label`), with a note (``notes=False`` leaves the notes out, for a
+    second table under the first). ``columns``: ``(header, key, format spec, always
+    shown)``; a column that is not always shown appears when some row holds its key.
     """
     rows_ = _rows(rows)
     if not rows_:
@@ -653,8 +656,9 @@ def decision_record(cells: Sequence[Mapping[str, Any]], *, workload: str, model:
               f"here: {verdict}. See `kvevict.report.choose_policy`.", "",
               explain_choice(choice), ""]
     conf = f"{confidence:.0%}"
-    lines += [f"## Measured (mean ± {conf} CI over {len(seeds)} "
-              f"seed{'s' if len(seeds) != 1 else ''}, {choice.capacity_blocks:,} blocks)", "",
+    over = (f"mean ± {conf} CI over {len(seeds)} seeds" if len(seeds) > 1
+            else "1 seed: no interval")
+    lines += [f"## Measured ({over}, {choice.capacity_blocks:,} blocks)", "",
               format_table(rows, markdown=True, load=load), ""]
     if any(c[1] in r for r in rows for c in DECOMPOSITION_COLUMNS):
         lines += ["TTFT decomposed (waiting for memory, waiting for compute, prefill of "
