@@ -193,6 +193,12 @@ class Interval:
         """``mean + half`` (``nan`` when unknown)."""
         return self.mean + self.half
 
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``{"mean", "half", "n", "confidence"}``, ``half`` ``None`` when unknown
+        (JSON has no nan)."""
+        return {"mean": self.mean, "half": self.half if self.known else None, "n": self.n,
+                "confidence": self.confidence}
+
     def __format__(self, spec: str) -> str:
         spec = _plain_spec(spec)
         mean = format(self.mean, spec)

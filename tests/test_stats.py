@@ -105,6 +105,12 @@ def test_interval_formatting():
     assert format(Interval(1.5, math.nan, 3), ".2f") == "1.50 (3 seeds)"
 
 
+def test_interval_as_dict_is_json_ready():
+    assert Interval(0.5, 0.25, 4).as_dict() == {"mean": 0.5, "half": 0.25, "n": 4,
+                                                "confidence": 0.95}
+    assert interval([0.5]).as_dict() == {"mean": 0.5, "half": None, "n": 1, "confidence": 0.95}
+
+
 @pytest.mark.parametrize(("values", "match"), [([], "at least one value"),
                                                ([1.0, math.nan], "finite"),
                                                ([1.0, math.inf], "finite"),
