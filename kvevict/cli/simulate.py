@@ -370,7 +370,7 @@ def simulate_command(args: argparse.Namespace) -> int:
                           "preemption": config.preemption},
             "cells": sorted(timed, key=lambda s: (s["capacity_blocks"], s["policy"],
                                                   s["seed"])),
-            "replay": replays, "headroom": {k: v.to_dict() for k, v in headroom.items()},
+            "replay": replays, "headroom": {k: v.as_dict() for k, v in headroom.items()},
             "chosen": choice.policy, "decision": {
                 "policy": choice.policy, "reason": choice.reason,
                 "significant": choice.significant, "metric": choice.metric,
