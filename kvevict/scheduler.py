@@ -17,6 +17,26 @@ the queue and recomputes what was evicted). Which one is pluggable:
 
 Admission: the manager consults its `Admission` before a request evicts; a deferred request
 stays in the queue (others behind it may start) and is retried every step.
+
+**Where the time to the first token goes.** Every instant from a request's arrival to the end
+of the step that samples its first token is charged to exactly one of three parts
+(`RequestState.wait_memory`, `.wait_compute`, `.prefill_time`), decided at each scheduling
+pass for the interval until the next pass:
+
+- *prefill*: a step that runs one of its prefill chunks (the whole step: its batch-mates'
+  chunks and decodes run in the same forward pass);
+- *waiting for memory*: it is preempted and waits to resume; or admission control deferred
+  it (until the scheduler next tries it); or the pass stopped admitting waiting requests
+  because of memory (the head of the queue could not allocate its blocks, or the pass
+  preempted) while the step still had token budget and a free seat. The whole queue behind a
+  memory-blocked head waits for memory: admission is first come, first served;
+- *waiting for compute*: everything else before its first token: it arrived while a step ran
+  (until that step ends), the pass ran out of token budget (``max_num_batched_tokens``) or
+  seats (``max_num_seqs``) before reaching it, or, admitted and mid-prefill, its next chunk
+  did not fit the step's budget.
+
+So ``ttft = wait_memory + wait_compute + prefill_time`` (up to floating-point rounding of the
+clock differences), and ``queue_wait = wait_memory + wait_compute``.
 """
 
 from __future__ import annotations
@@ -35,6 +55,7 @@ from kvevict.manager import KVCacheManager, Sequence
 from kvevict.types import Request
 
 __all__ = [
+    "PHASES",
     "PREEMPTION_MODES",
     "Executor",
     "PrefillChunk",
@@ -76,16 +97,33 @@ class SchedulerConfig:
                               f"{self.preemption!r}")
 
 
+#: the parts of the time to the first token a `RequestState` is in between two passes
+#: (``"queue"`` follows the queue's reason of the pass; see the module docstring)
+PHASES = ("queue", "memory", "compute", "prefill")
+
+
 class RequestState:
     """The scheduler's record of one request, and its measurements (times in clock seconds).
 
-    ``queue_wait`` is from arrival to the first step that runs it; ``ttft`` from arrival to
-    the end of the step that produced its first token.
+    ``ttft`` is from arrival to the end of the step that produced its first token. It splits
+    into ``wait_memory`` + ``wait_compute`` (together ``queue_wait``: every interval before
+    the first token in which none of its prefill ran, preempted and stalled ones included)
+    and ``prefill_time`` (the steps that ran its prefill chunks); see the module docstring
+    for which interval goes where. ``first_scheduled`` is the first admission's time.
+
+    Per admission it keeps what the cache lookup found: ``prompt_blocks`` and
+    ``cached_blocks`` (blocks looked up and found at the first admission), and
+    ``resume_lookups`` and ``resume_hit_blocks`` (the same, summed over resumes after
+    preemption). ``prefill_chunks`` lists ``(start, end, computed)`` of every prefill chunk
+    that ran before the first token (as in `PrefillChunk`), for pricing recomputed tokens.
     """
 
-    __slots__ = ("arrival", "cached_tokens", "computed_prefill_tokens", "deferrals",
-                 "finish_time", "first_scheduled", "first_token_time", "num_output",
-                 "pending_token", "preemptions", "request", "seq", "status", "decode_time")
+    __slots__ = ("arrival", "cached_blocks", "cached_tokens", "computed_prefill_tokens",
+                 "decode_time", "deferrals", "finish_time", "first_scheduled",
+                 "first_token_time", "num_output", "pending_token", "phase", "phase_memory",
+                 "phase_since", "prefill_chunks", "prefill_time", "preemptions",
+                 "prompt_blocks", "request", "resume_hit_blocks", "resume_lookups", "seq",
+                 "status", "wait_compute", "wait_memory")
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -102,6 +140,20 @@ class RequestState:
         self.decode_time = 0.0
         self.preemptions = 0
         self.deferrals = 0
+        self.wait_memory = 0.0
+        self.wait_compute = 0.0
+        self.prefill_time = 0.0
+        #: the part of the TTFT it is in now (one of `PHASES`; None once the first token
+        #: is out), since ``phase_since``; ``phase_memory`` is the scheduler's queue
+        #: memory-wait counter at that time (see `enter`)
+        self.phase: str | None = "compute"
+        self.phase_since = request.arrival
+        self.phase_memory = 0.0
+        self.prefill_chunks: list[tuple[int, int, int]] = []
+        self.prompt_blocks = 0
+        self.cached_blocks = 0
+        self.resume_lookups = 0
+        self.resume_hit_blocks = 0
 
     @property
     def request_id(self) -> Any:
@@ -114,7 +166,39 @@ class RequestState:
 
     @property
     def queue_wait(self) -> float | None:
-        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+        """``wait_memory + wait_compute`` once the first token is out (None before)."""
+        if self.first_token_time is None:
+            return None
+        return self.wait_memory + self.wait_compute
+
+    def enter(self, phase: str | None, now: float, queue_memory: float) -> None:
+        """Charge the time since the last change to the phase it was in, then be in
+        ``phase`` (one of `PHASES`, or None: the first token is out) from ``now``.
+
+        ``queue_memory`` is the scheduler's counter of seconds in which the queue waited for
+        memory: a ``"queue"`` interval is waiting for memory for as much as that counter
+        grew during it, and waiting for compute for the rest. A no-op once the first token
+        is out."""
+        if self.phase is None:
+            return
+        since = self.phase_since
+        dt = now - since
+        if dt > 0:
+            current = self.phase
+            if current == "queue":
+                memory = min(max(queue_memory - self.phase_memory, 0.0), dt)
+                self.wait_memory += memory
+                self.wait_compute += dt - memory
+            elif current == "memory":
+                self.wait_memory += dt
+            elif current == "compute":
+                self.wait_compute += dt
+            else:
+                self.prefill_time += dt
+            since = now
+        self.phase = phase
+        self.phase_since = since
+        self.phase_memory = queue_memory
 
     @property
     def ttft(self) -> float | None:
@@ -216,6 +300,11 @@ class Scheduler:
         self.steps = 0
         self.preemptions = 0
         self._retry_at: float | None = None
+        # why the untouched part of the waiting queue waits since the last pass ("memory" or
+        # "compute"), since when, and the seconds it has waited for memory in all
+        self._queue_reason = "compute"
+        self._queue_since: float | None = None
+        self._queue_memory = 0.0
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -226,6 +315,9 @@ class Scheduler:
         if not isinstance(request, Request):
             raise ConfigError(f"add() takes a Request, got {type(request).__name__}")
         state = RequestState(request)
+        now = self.clock()
+        # it arrived while a step ran: waiting for compute until now, then it is in the queue
+        state.enter("queue", max(now, state.arrival), self._queue_memory_at(now))
         self.waiting.append(state)
         return state
 
@@ -233,6 +325,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- scheduling ------------------------------------------------------------------------
+
+    def _queue_memory_at(self, now: float) -> float:
+        """The queue's memory-wait counter brought up to ``now``."""
+        since = self._queue_since
+        if since is not None and self._queue_reason == "memory" and now > since:
+            self._queue_memory += now - since
+        if since is None or now > since:
+            self._queue_since = now
+        return self._queue_memory
 
     def _preempt_for(self, needing: RequestState, scheduled: set[Any]) -> RequestState:
         """Preempt one running request not yet in this step's plan (possibly ``needing``)."""
@@ -249,6 +350,8 @@ class Scheduler:
         else:  # fewest processed tokens: cheapest to recompute (arXiv 2411.07447)
             victim = min(candidates, key=lambda s: (s.seq.num_tokens, -s.arrival))  # type: ignore[union-attr]
         self.manager.preempt(victim.request_id)
+        now = self.clock()
+        victim.enter("memory", now, self._queue_memory_at(now))  # it waits to resume
         victim.status = "preempted"
         victim.preemptions += 1
         self.preemptions += 1
@@ -287,18 +390,25 @@ class Scheduler:
         """Build the next step's plan, allocating its memory."""
         cfg = self.config
         manager = self.manager
+        stats = manager.stats
         budget = cfg.max_num_batched_tokens
         plan = StepPlan()
+        now = self.clock()
+        memory = self._queue_memory_at(now)
         preempted_before = self.preemptions
         scheduled: set[Any] = set()
         for state in list(self.running):
-            if state.status != "running" or budget <= 0:
+            if state.status != "running":
+                continue  # preempted in this pass (waiting for memory from now)
+            if budget <= 0:
+                state.enter("compute", now, memory)  # no-op after its first token
                 continue
             seq = state.seq
             assert seq is not None
             if seq.num_pending:
                 n = min(seq.num_pending, budget)
                 if not cfg.enable_chunked_prefill and n < seq.num_pending:
+                    state.enter("compute", now, memory)
                     continue
                 start = seq.num_tokens
                 if not self._grow_running(
@@ -308,6 +418,9 @@ class Scheduler:
                 real = seq.real_tokens(start, start + n)
                 plan.prefills.append(PrefillChunk(state, start, start + n, samples, real))
                 state.computed_prefill_tokens += real
+                if state.first_token_time is None:
+                    state.prefill_chunks.append((start, start + n, real))
+                    state.enter("prefill", now, memory)
                 budget -= n
             else:
                 if not self._schedule_decode(state, plan, scheduled):
@@ -315,22 +428,27 @@ class Scheduler:
                 budget -= 1
             scheduled.add(state.request_id)
         if self.preemptions != preempted_before and plan:
+            self._queue_reason = "memory"
             return plan  # under memory pressure: start nothing new this step (as vLLM)
-        now = self.clock()
         deferred: list[RequestState] = []
         preempted_before = self.preemptions
+        reason = "compute"  # why the requests this pass does not reach wait
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             if self.preemptions != preempted_before:
+                reason = "memory"
                 break  # admitting made room by preempting: stop, or the two would cycle
             state = self.waiting[0]
             limit = budget if cfg.enable_chunked_prefill else None
+            resuming = state.status == "preempted"
+            queries, hits = stats.block_queries, stats.block_hits
             try:
-                if state.status == "preempted":
+                if resuming:
                     seq = manager.resume(state.request_id, max_new_tokens=limit)
                 else:
                     seq = manager.begin(state.request, max_new_tokens=limit)
             except AdmissionDeferred as exc:
                 state.deferrals += 1
+                state.enter("memory", now, memory)  # until it is tried again
                 deferred.append(self.waiting.popleft())
                 retry = now + max(exc.retry_after, 0.0)
                 if retry <= now:  # a wait too small to move the clock: move it one ulp
@@ -344,8 +462,16 @@ class Scheduler:
                         f"({manager.pool.num_blocks} blocks of {manager.block_size} tokens); "
                         "enlarge the cache"
                     ) from None
+                state.enter("memory" if resuming else "queue", now, memory)
+                reason = "memory"
                 break
             self.waiting.popleft()
+            if resuming:
+                state.resume_lookups += stats.block_queries - queries
+                state.resume_hit_blocks += stats.block_hits - hits
+            else:
+                state.prompt_blocks = stats.block_queries - queries
+                state.cached_blocks = stats.block_hits - hits
             if state.cached_tokens is None:
                 state.cached_tokens = seq.num_cached_tokens
             if state.first_scheduled is None:
@@ -366,7 +492,11 @@ class Scheduler:
             scheduled.add(state.request_id)  # in this step's plan: not to be preempted now
             computed = max(real, 1) if samples else real
             state.computed_prefill_tokens += computed
+            if state.first_token_time is None:
+                state.prefill_chunks.append((start, seq.num_tokens, real))
+                state.enter("prefill", now, memory)
             budget -= computed
+        self._queue_reason = reason
         for state in reversed(deferred):
             self.waiting.appendleft(state)
         return plan
@@ -400,6 +530,7 @@ class Scheduler:
                 token = state.next_output_token()
             if state.first_token_time is None:
                 state.first_token_time = now
+                state.enter(None, now, self._queue_memory)  # its last prefill step ends
             state.num_output += 1
             if state.num_output >= state.target_output:
                 self.manager.finish(state.request_id)

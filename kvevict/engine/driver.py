@@ -184,8 +184,7 @@ def in_engine_seconds(result: SimResult, time_scale: float) -> SimResult:
     if time_scale == 1.0:
         return result
     f = time_scale
-    records = tuple(attrs.evolve(r, arrival=r.arrival / f, queue_wait=r.queue_wait / f,
-                                 ttft=r.ttft / f, finish=r.finish / f) for r in result.records)
+    records = tuple(r.time_divided(f) for r in result.records)
     return attrs.evolve(result, records=records, makespan=result.makespan / f)
 
 
@@ -208,7 +207,8 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
         time_scale: workload seconds per engine second (see the module docstring).
         config: the scheduler's knobs (default `SchedulerConfig()`).
         cost: a `CostModel` in workload seconds, given to cost-aware policies (market,
-            bayes, dbms) as ``cost_model`` unless ``policy_params`` set one.
+            bayes, dbms) as ``cost_model`` unless ``policy_params`` set one; it also prices
+            the records' ``recompute_prefill_s`` (the default `CostModel` when None).
         policy_params: extra parameters of a named policy.
         teacher_forcing: feed back the requests' fixed output tokens (see the module
             docstring).
@@ -242,7 +242,7 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
             on_step(s)
 
     drive(scheduler, ordered, clock, after_step if check or on_step is not None else None)
-    sim = collect(scheduler, ordered, clock, name)
+    sim = collect(scheduler, ordered, clock, name, cost=cost)  # cost prices recomputes
     memory: dict[str, Any] = {"peak_pool_blocks": manager.stats.peak_blocks_used,
                               "pool_blocks": capacity_blocks,
                               "peak_pool_bytes": manager.stats.peak_blocks_used
