@@ -24,7 +24,8 @@ from kvevict.workloads import available_workloads, bundled_trace_path, generate,
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SMALL_RUN = ["simulate", "--workload", "chat", "--duration", "300", "--policies",
-             "lru,market,belady", "--cache-blocks", "256", "--sweep", "0.5,2", "--quiet"]
+             "lru,market,belady", "--cache-blocks", "256", "--sweep", "0.5,2", "--seeds", "2",
+             "--quiet"]
 
 
 def user_error(capsys, argv: list[str]) -> str:
@@ -166,27 +167,32 @@ def small_runs(tmp_path_factory):
 
 def test_small_run_writes_results_json(small_runs):
     results = json.loads((small_runs[0] / "results.json").read_text())
-    expected = {"workload", "seed", "model", "bytes_per_token", "block_size",
-                "capacity_blocks", "scheduler", "results", "sweep", "chosen"}
+    expected = {"workload", "seeds", "model", "bytes_per_token", "block_size", "box",
+                "capacity_blocks", "oversubscribed", "load", "scheduler", "cells", "replay",
+                "headroom", "chosen", "decision", "command"}
     assert expected <= set(results)
-    assert results["workload"] == "chat" and results["seed"] == 0
+    assert results["workload"] == "chat" and results["seeds"] == [0, 1]
     assert results["model"] == "llama-3-8b" and results["block_size"] == 16
-    assert results["capacity_blocks"] == 256
-    assert [s["policy"] for s in results["results"]] == ["lru", "market", "belady"]
-    summary_keys = {"policy", "capacity_blocks", "requests", "token_hit_ratio",
+    assert results["capacity_blocks"] == 256 and results["oversubscribed"] is False
+    summary_keys = {"policy", "capacity_blocks", "seed", "requests", "token_hit_ratio",
                     "block_hit_ratio", "infinite_cache_hit_ratio", "prefill_tokens_computed",
                     "recomputed_prefill_tokens", "ttft_p50", "ttft_p95", "ttft_p99",
-                    "queue_wait_p95", "evictions", "evictions_by_class", "preemptions",
-                    "deferrals", "peak_blocks"}
-    for s in results["results"]:
-        assert summary_keys <= set(s)
-        assert s["capacity_blocks"] == 256
-    sweep = {(s["policy"], s["capacity_blocks"]) for s in results["sweep"]}
-    assert sweep == {(p, c) for p in ("lru", "market", "belady") for c in (128, 256, 512)}
+                    "queue_wait_p95", "wait_memory_p95", "wait_compute_p95", "classes",
+                    "evictions", "evictions_by_class", "preemptions", "deferrals",
+                    "peak_blocks"}
+    cells = {(c["policy"], c["capacity_blocks"], c["seed"]) for c in results["cells"]}
+    assert cells == {(p, c, s) for p in ("lru", "market", "belady") for c in (128, 256, 512)
+                     for s in (0, 1)}
+    for c in results["cells"]:
+        assert summary_keys <= set(c)
+    # the exact untimed replay at the decided size: LRU, Belady, the infinite cache
+    assert {(r["policy"], r["capacity_blocks"], r["seed"]) for r in results["replay"]} == {
+        (p, c, s) for p, c in (("lru", 256), ("belady", 256), ("lru", None)) for s in (0, 1)}
+    head = results["headroom"]
+    assert head["lru"]["mean"] <= head["belady_exact"]["mean"] <= head["infinite"]["mean"]
     assert results["chosen"] in ("lru", "market")  # Belady is offline, never chosen
-    chosen = next(s for s in results["results"] if s["policy"] == results["chosen"])
-    online = [s for s in results["results"] if s["policy"] != "belady"]
-    assert chosen["ttft_p95"] == min(s["ttft_p95"] for s in online)
+    assert results["decision"]["policy"] == results["chosen"]
+    assert results["load"]["stable"] is True and results["load"]["rate_scale"] == 1.0
 
 
 def test_small_run_writes_the_decision_record(small_runs):
@@ -203,15 +209,18 @@ def test_small_run_writes_the_decision_record(small_runs):
 
 
 def test_small_run_writes_png_plots(small_runs):
-    for name in ("hit_ratio.png", "ttft_cdf.png"):
+    for name in ("hit_ratio.png", "ttft_cdf.png", "class_p95.png"):
         data = (small_runs[0] / name).read_bytes()
         assert data.startswith(PNG_SIGNATURE), name
         assert len(data) > 1000
 
 
-def test_same_command_gives_byte_identical_results_json(small_runs):
-    first, second = (Path(d) / "results.json" for d in small_runs)
-    assert first.read_bytes() == second.read_bytes()
+def test_same_command_gives_identical_results_json(small_runs):
+    """Two runs differ only in the recorded command (its --out)."""
+    first, second = (json.loads((Path(d) / "results.json").read_text()) for d in small_runs)
+    assert first.pop("command").replace(str(small_runs[0]), "OUT") == \
+        second.pop("command").replace(str(small_runs[1]), "OUT")
+    assert first == second
 
 
 def test_mooncake_trace_slice_uses_512_token_blocks(capsys, tmp_path):
@@ -220,28 +229,29 @@ def test_mooncake_trace_slice_uses_512_token_blocks(capsys, tmp_path):
     trace.write_text("".join(lines))
     out = tmp_path / "out"
     rc = main(["simulate", "--trace", str(trace), "--format", "mooncake", "--policies",
-               "lru,belady", "--cache-blocks", "2000", "--no-sweep", "--out", str(out),
+               "lru,belady", "--cache-blocks", "800", "--no-sweep", "--out", str(out),
                "--quiet"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "200 requests" in captured.out
-    assert "2,000 blocks of 512 tokens" in captured.out
+    assert "800 blocks of 512 tokens" in captured.out
     results = json.loads((out / "results.json").read_text())
-    assert results["block_size"] == 512 and results["capacity_blocks"] == 2000
+    assert results["block_size"] == 512 and results["capacity_blocks"] == 800
     assert results["workload"] == "mooncake_head.jsonl (mooncake)"
-    assert [s["requests"] for s in results["results"]] == [200, 200]
+    assert results["seeds"] == [0]  # a trace file is one sample
+    assert [s["requests"] for s in results["cells"]] == [200, 200]
     assert results["chosen"] == "lru"
 
 
 def test_scale_adds_people_to_a_generated_workload(capsys, tmp_path):
     base = ["simulate", "--workload", "chat", "--duration", "300", "--policies", "lru",
-            "--cache-blocks", "512", "--no-sweep", "--quiet"]
+            "--cache-blocks", "512", "--no-sweep", "--seeds", "1", "--quiet"]
     counts = {}
     for scale in ("1", "3"):
         out = tmp_path / scale
         assert main([*base, "--scale", scale, "--out", str(out)]) == 0
         results = json.loads((out / "results.json").read_text())
-        counts[scale] = results["results"][0]["requests"]
+        counts[scale] = results["cells"][0]["requests"]
         assert counts[scale] == len(generate("chat", seed=0, duration=300, scale=float(scale)))
     assert counts["3"] > 2 * counts["1"]
     assert results["workload"] == "chat (scale 3)"

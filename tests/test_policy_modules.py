@@ -103,10 +103,10 @@ def test_simulate_round_trip_and_the_recorded_command_reruns(capsys, tmp_path, u
     assert rc == 0, captured.err
     assert policy in captured.out
     first = json.loads((out / "results.json").read_text())
-    assert [s["policy"] for s in first["results"]] == ["lru", policy]
+    assert {c["policy"] for c in first["cells"]} == {"lru", policy}
     assert first["policy_modules"] == {module: str(tmp_path / f"{module}.py")}
     decision = (out / "DECISION.md").read_text()
-    command = next(line for line in decision.splitlines() if "**Command:**" in line)
+    command = next(line for line in decision.splitlines() if "**Rerun:**" in line)
     command = command.split("`")[1]
     words = shlex.split(command)
     # the module lives outside the installed packages: the command says where

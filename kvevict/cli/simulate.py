@@ -231,6 +231,9 @@ def simulate_command(args: argparse.Namespace) -> int:
     _check(args)
     say = (lambda line: None) if args.quiet else (
         lambda line: print(line, file=sys.stderr, flush=True))
+    if "lru" not in policies:  # the baseline every decision is measured against
+        policies = ["lru", *policies]
+        say("note: lru added to --policies: the decision compares every policy with it")
     layout = _layout(args)
     source, workload, trace_block_size = _source(args)
     block_size = trace_block_size or args.block_size or 16
