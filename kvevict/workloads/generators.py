@@ -30,6 +30,9 @@ Structure of the requests:
   each person has conversation after conversation with idle gaps between, and every
   conversation is simply abandoned; plus an occasional batch job.
 - **mixed** (mix): chat + agent + rag + single_shot over the same window.
+- **chat-steady**: chat at a busy server's rate (36 conversations a minute: offered load
+  0.66 on one L4 with Llama-3-8B), a 450 s window after a 1800 s warm-up; the main job's
+  workload (``docs/mainjob.md``).
 
 Every request sets ``session_id``, ``turn`` (1 for a session's first request),
 ``workload_class`` and ``block_kinds`` (per prompt block of ``block_size`` tokens: ``"prompt"``
@@ -618,7 +621,7 @@ class ChatServerParams(WorkloadParams):
     #: Idle time between a person's conversations: lognormal median (seconds) and shape.
     session_gap_median: float = _pos(120.0)
     session_gap_sigma: float = _nonneg(1.0)
-    #: How each conversation goes (its rate and window fields are not used).
+    #: How each conversation goes (its rate, window and warmup fields are not used).
     chat: ChatParams = attrs.field(
         factory=lambda: ChatParams(first_continue_prob=0.5, later_continue_prob=0.8,
                                    think_time_median=40.0, think_time_sigma=1.2),
