@@ -19,13 +19,15 @@ from kvevict.workloads.generators import (
     ChatParams,
     ChatServerParams,
     RagParams,
+    SteadyChatParams,
     available_workloads,
     block_kinds_from_spans,
     generate,
     workload_params,
 )
 
-NAMES = ["agent", "batch", "chat", "chat-server", "mixed", "rag", "single_shot"]
+NAMES = ["agent", "batch", "chat", "chat-server", "chat-steady", "mixed", "rag",
+         "single_shot"]
 
 
 def by_session(requests: list[Request]) -> dict:
@@ -327,3 +329,80 @@ def test_replay_next_turns_hit_decoded_blocks():
             later_turns += 1
     manager.check()
     assert later_turns >= 5
+
+
+# -- chat-steady: a window of a server in steady state ------------------------------------
+
+
+def test_warmup_window_is_the_tail_of_a_longer_trace():
+    # conversations that start in [-warmup, 0) are drawn exactly as a trace of
+    # warmup + duration seconds draws them: the window is that trace's last `duration`
+    # seconds, shifted to start at 0, with the same ids, turns, parents and answers
+    warm = generate("chat", seed=5, duration=300, warmup=900, sessions_per_minute=8)
+    long = generate("chat", seed=5, duration=1200, sessions_per_minute=8)
+    tail = [r for r in long if r.arrival >= 900]
+    assert len(warm) == len(tail) > 50
+    for a, b in zip(warm, tail, strict=True):
+        assert a.request_id == b.request_id and a.turn == b.turn
+        assert a.arrival == pytest.approx(b.arrival - 900, abs=2e-6)
+        assert np.array_equal(a.tokens, b.tokens)
+        assert np.array_equal(a.output_tokens, b.output_tokens)
+        assert a.extra["parent"] == b.extra["parent"]
+        assert a.block_kinds == b.block_kinds
+
+
+def test_warmup_zero_is_the_plain_chat_trace():
+    assert trace_digest(generate("chat", seed=3, warmup=0.0)) == trace_digest(
+        generate("chat", seed=3))
+
+
+def test_warmup_opens_on_conversations_under_way():
+    cold = generate("chat", seed=0, duration=120, sessions_per_minute=20)
+    warm = generate("chat", seed=0, duration=120, sessions_per_minute=20, warmup=1800)
+    assert all(r.turn == 1 for r in cold if r.arrival < 30)  # an empty server: first turns
+    early = [r for r in warm if r.arrival < 30]
+    assert sum(r.turn > 1 for r in early) >= len(early) // 4 > 0
+    # a later turn whose previous turn was before the window has a parent not in the trace
+    ids = {r.request_id for r in warm}
+    assert any(r.extra["parent"] is not None and r.extra["parent"] not in ids for r in warm)
+
+
+def test_chat_steady_defaults():
+    p = workload_params("chat-steady")
+    assert isinstance(p, SteadyChatParams) and isinstance(p, ChatParams)
+    assert (p.duration, p.sessions_per_minute, p.warmup) == (450.0, 36.0, 1800.0)
+    # the conversation itself is chat's: lengths, turns and think times unchanged
+    chat = workload_params("chat")
+    for field in ("user_tokens_mean", "output_tokens_mean", "first_continue_prob",
+                  "later_continue_prob", "think_time_median", "think_time_sigma",
+                  "system_prompt_tokens"):
+        assert getattr(p, field) == getattr(chat, field)
+    assert workload_params("chat-steady", scale=2).sessions_per_minute == 72.0
+    reqs = generate("chat-steady", seed=0)
+    assert 0 <= reqs[0].arrival and reqs[-1].arrival < 450
+    # steady state: the two halves of the window see about the same arrival rate
+    first = sum(r.arrival < 225 for r in reqs)
+    assert abs(first - (len(reqs) - first)) < 0.15 * len(reqs)
+
+
+def test_chat_steady_is_stationary_where_cold_chat_ramps_up():
+    # arrivals in the first and second half of a 450 s window, over seeds 0..2
+    def halves(name, **kw):
+        first = second = 0
+        for seed in range(3):
+            for r in generate(name, seed=seed, **kw):
+                first += r.arrival < 225
+                second += r.arrival >= 225
+        return first, second
+
+    cold_first, cold_second = halves("chat", duration=450, sessions_per_minute=36)
+    warm_first, warm_second = halves("chat-steady")
+    assert cold_second > 1.15 * cold_first  # from an empty start, conversations pile up
+    assert abs(warm_second - warm_first) < 0.05 * (warm_first + warm_second)
+    assert warm_first + warm_second > 1.25 * (cold_first + cold_second)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), "10", True])
+def test_bad_warmup(bad):
+    with pytest.raises(ConfigError, match="warmup"):
+        generate("chat", warmup=bad)

@@ -30,6 +30,9 @@ Structure of the requests:
   each person has conversation after conversation with idle gaps between, and every
   conversation is simply abandoned; plus an occasional batch job.
 - **mixed** (mix): chat + agent + rag + single_shot over the same window.
+- **chat-steady**: chat at a busy server's rate (36 conversations a minute: offered load
+  0.66 on one L4 with Llama-3-8B), a 450 s window after a 1800 s warm-up; the main job's
+  workload (``docs/mainjob.md``).
 
 Every request sets ``session_id``, ``turn`` (1 for a session's first request),
 ``workload_class`` and ``block_kinds`` (per prompt block of ``block_size`` tokens: ``"prompt"``
@@ -44,7 +47,10 @@ window), plus generator-specific keys (``person``, ``job``).
 Arrivals do not wait for answers: the next request of a session arrives at the previous
 arrival plus an estimated answer time (``output_len * decode_seconds_per_token``) plus the
 think time or tool pause. A replay that needs strict ordering can follow ``extra["parent"]``.
-Requests arriving at or after ``duration`` are dropped (the trace is a window).
+Requests arriving at or after ``duration`` are dropped (the trace is a window). A chat
+workload with ``warmup > 0`` also starts conversations in ``[-warmup, 0)`` and drops their
+requests before 0: the window then opens on a server in steady state (conversations under way,
+their earlier turns not in the trace), so its arrival rate and working set do not ramp up.
 
 Same seed, same trace: `generate` with equal arguments returns identical requests (compare
 with `kvevict.workloads.formats.trace_digest`). The parameter table with the public source of
@@ -71,6 +77,7 @@ __all__ = [
     "MixedParams",
     "RagParams",
     "SingleShotParams",
+    "SteadyChatParams",
     "WorkloadParams",
     "available_workloads",
     "block_kinds_from_spans",
@@ -178,10 +185,17 @@ class _Trace:
             workload_class: str, arrival: float, turn: int, output: np.ndarray,
             parent: str | None, last: bool = False, retention: RetentionHint | None = None,
             **extra: Any) -> bool:
-        """Append one request unless it arrives after the window; return whether it did."""
+        """Append one request unless it arrives outside the window ``[0, duration)``.
+
+        Return False for one at or after ``duration`` (its session ends there), True
+        otherwise: a request of a warm-up session that arrives before 0 is not kept, but its
+        session goes on into the window.
+        """
         arrival = round(float(arrival), 6)
         if arrival >= self.duration:
             return False
+        if arrival < 0:
+            return True
         parts = [s for s, _ in segments if len(s)]
         tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         spans: list[list[Any]] = []
@@ -322,6 +336,9 @@ class ChatParams(WorkloadParams):
     #: Think time between an answer and the next message: lognormal with this median.
     think_time_median: float = _pos(60.0)
     think_time_sigma: float = _nonneg(1.5)
+    #: Conversations also start in ``[-warmup, 0)``; their requests before 0 are dropped, so
+    #: the window opens on a server already in steady state (0: the server starts empty).
+    warmup: float = _nonneg(0.0)
 
     def scaled(self, factor: float) -> ChatParams:
         return attrs.evolve(self, sessions_per_minute=self.sessions_per_minute * factor)
@@ -335,9 +352,19 @@ class ChatParams(WorkloadParams):
         tr = self._trace(rng)
         system = tr.fresh(self.system_prompt_tokens)
         for i, start in enumerate(_poisson_times(rng, self.sessions_per_minute / 60,
-                                                 self.duration)):
-            _chat_session(tr, self, system, f"chat-{i}", start)
+                                                 self.warmup + self.duration)):
+            _chat_session(tr, self, system, f"chat-{i}", start - self.warmup)
         return tr.result()
+
+
+@attrs.frozen(kw_only=True)
+class SteadyChatParams(ChatParams):
+    """`ChatParams` at a busy server's rate, observed in steady state (the main job)."""
+
+    name: ClassVar[str] = "chat-steady"
+    duration: float = _pos(450.0)
+    sessions_per_minute: float = _pos(36.0)
+    warmup: float = _nonneg(1800.0)
 
 
 def _chat_session(tr: _Trace, p: ChatParams, system: np.ndarray, session: str, start: float,
@@ -594,7 +621,7 @@ class ChatServerParams(WorkloadParams):
     #: Idle time between a person's conversations: lognormal median (seconds) and shape.
     session_gap_median: float = _pos(120.0)
     session_gap_sigma: float = _nonneg(1.0)
-    #: How each conversation goes (its rate and window fields are not used).
+    #: How each conversation goes (its rate, window and warmup fields are not used).
     chat: ChatParams = attrs.field(
         factory=lambda: ChatParams(first_continue_prob=0.5, later_continue_prob=0.8,
                                    think_time_median=40.0, think_time_sigma=1.2),
@@ -663,8 +690,8 @@ class MixedParams(WorkloadParams):
 
 _WORKLOADS: dict[str, type[WorkloadParams]] = {
     cls.name: cls
-    for cls in (ChatParams, AgentParams, RagParams, SingleShotParams, BatchParams,
-                ChatServerParams, MixedParams)
+    for cls in (ChatParams, SteadyChatParams, AgentParams, RagParams, SingleShotParams,
+                BatchParams, ChatServerParams, MixedParams)
 }
 
 
