@@ -813,7 +813,7 @@ def hit_ratio_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
                 markerfacecolor="none" if is_offline(p) else style["color"])
         if all(iv.known for _, iv in pts):
             ax.fill_between(xs, [iv.low for _, iv in pts], [iv.high for _, iv in pts],
-                            color=style["color"], alpha=max(0.04, 0.3 / m), linewidth=0,
+                            color=style["color"], alpha=min(0.15, max(0.04, 0.3 / m)), linewidth=0,
                             zorder=2)
     if exact:
         ex = sorted(exact.items())

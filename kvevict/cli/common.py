@@ -192,11 +192,12 @@ def generator_args(parser: argparse.ArgumentParser) -> None:
 
 
 
-def scheduler_args(parser: argparse.ArgumentParser, max_batched_tokens: int) -> None:
+def scheduler_args(parser: argparse.ArgumentParser, max_batched_tokens: int,
+                   max_seqs: int = 64) -> None:
     """The scheduler's options, shared by simulate and engine-bench."""
     parser.add_argument("--max-batched-tokens", type=int, default=max_batched_tokens,
                         help="scheduler token budget per step (default %(default)s)")
-    parser.add_argument("--max-seqs", type=int, default=64,
+    parser.add_argument("--max-seqs", type=int, default=max_seqs,
                         help="most running requests (default %(default)s)")
     parser.add_argument("--preemption", default="last-arrived",
                         choices=("last-arrived", "fewest-processed"),

@@ -46,9 +46,10 @@ from kvevict.layout import PRESETS, KVLayout, from_hf_config, preset
 __all__ = ["DEFAULT_POLICIES", "add_parser", "simulate_command"]
 
 DEFAULT_POLICIES = ("lru", "lfu", "pinned", "market", "bayes", "dbms", "belady")
-DEFAULT_SWEEP = (0.5, 2.0, 4.0)
-DEFAULT_WORKLOAD = "chat-server"
-DEFAULT_GPU = "h100-sxm-80gb"
+DEFAULT_SWEEP = (2.0, 4.0)
+DEFAULT_WORKLOAD = "chat-steady"
+DEFAULT_GPU = "l4-24gb"
+DEFAULT_MAX_SEQS = 32
 DEFAULT_SEEDS = 5
 
 
@@ -108,10 +109,10 @@ def add_parser(sub: Any) -> None:
                           "the file says otherwise, and no other)")
     sim.add_argument("--sweep", type=float_list, default=list(DEFAULT_SWEEP),
                      help="capacity multipliers for the hit-ratio sweep "
-                          "(default: 0.5,2,4; sizes that cannot hold the largest request "
+                          "(default: 2,4; sizes that cannot hold the largest request "
                           "are skipped)")
     sim.add_argument("--no-sweep", action="store_true", help="skip the capacity sweep")
-    scheduler_args(sim, max_batched_tokens=2048)
+    scheduler_args(sim, max_batched_tokens=2048, max_seqs=DEFAULT_MAX_SEQS)
     run = sim.add_argument_group("running the cells")
     run.add_argument("--jobs", type=int, default=None,
                      help=f"worker processes (default: every core, here {_cpus()})")
@@ -339,7 +340,8 @@ def simulate_command(args: argparse.Namespace) -> int:
     cells = [Cell(p, c, s, records=(c == capacity and (args.records or s == seeds[0])))
              for c in [capacity, *sweep_caps] for s in seeds for p in policies]
     cells += [Cell(p, c, s, mode="replay") for s in seeds
-              for p, c in (("lru", capacity), ("belady", capacity), ("lru", None))]
+              for p, c in [(p, c) for c in [capacity, *sweep_caps] for p in ("lru", "belady")]
+              + [("lru", None)]]
     jobs = args.jobs or _cpus()
     progress = Progress(len(cells), args.quiet)
     results = run_cells(study, cells, jobs=jobs, ray=args.ray, ray_address=args.ray_address,
@@ -407,6 +409,11 @@ def simulate_command(args: argparse.Namespace) -> int:
                  if s == seeds[0]},
                 out / "ttft_cdf.png", f"{workload}: TTFT at {capacity:,} blocks")
             written.append("ttft_cdf.png")
+            lru_replays, exact = _headroom_plot(replays)
+            report.plot_hit_ratio(lru_replays, out / "headroom.png",
+                                  f"{workload}: exact untimed replay (kvevict.replay)",
+                                  exact=exact)
+            written.append("headroom.png")
             report.plot_class_p95(main_cells, out / "class_p95.png",
                                   f"{workload}: p95 TTFT by class at {capacity:,} blocks")
             written.append("class_p95.png")
@@ -414,6 +421,23 @@ def simulate_command(args: argparse.Namespace) -> int:
             print(f"note: {exc}", file=sys.stderr)
         print(f"wrote {', '.join(written)} to {out}")
     return 0
+
+
+def _headroom_plot(replays: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, Any]]:
+    """The headroom plot's inputs, all from the exact untimed replay: LRU's cells by size (each
+    with its seed's infinite cache as ``infinite_cache_hit_ratio``), and Belady's token hit
+    ratio by size as intervals over the seeds (the plot's exact ceiling)."""
+    from kvevict.stats import interval
+
+    infinite = {r["seed"]: r["token_hit_ratio"] for r in replays
+                if r["capacity_blocks"] is None}
+    lru = [{**r, "infinite_cache_hit_ratio": infinite[r["seed"]]} for r in replays
+           if r["policy"] == "lru" and r["capacity_blocks"] is not None]
+    sizes = sorted({r["capacity_blocks"] for r in replays if r["policy"] == "belady"})
+    exact = {c: interval([r["token_hit_ratio"] for r in replays
+                          if r["policy"] == "belady" and r["capacity_blocks"] == c])
+             for c in sizes}
+    return lru, exact
 
 
 def _headroom(replays: list[dict[str, Any]], capacity: int) -> dict[str, Any]:
