@@ -187,7 +187,8 @@ def test_small_run_writes_results_json(small_runs):
         assert summary_keys <= set(c)
     # the exact untimed replay at the decided size: LRU, Belady, the infinite cache
     assert {(r["policy"], r["capacity_blocks"], r["seed"]) for r in results["replay"]} == {
-        (p, c, s) for p, c in (("lru", 256), ("belady", 256), ("lru", None)) for s in (0, 1)}
+        (p, c, s) for p, c in [(p, c) for c in (128, 256, 512) for p in ("lru", "belady")]
+        + [("lru", None)] for s in (0, 1)}
     head = results["headroom"]
     assert head["lru"]["mean"] <= head["belady_exact"]["mean"] <= head["infinite"]["mean"]
     assert results["chosen"] in ("lru", "market")  # Belady is offline, never chosen
@@ -229,7 +230,7 @@ def test_mooncake_trace_slice_uses_512_token_blocks(capsys, tmp_path):
     trace.write_text("".join(lines))
     out = tmp_path / "out"
     rc = main(["simulate", "--trace", str(trace), "--format", "mooncake", "--policies",
-               "lru,belady", "--cache-blocks", "800", "--no-sweep", "--out", str(out),
+               "lru,belady", "--gpu", "h100-sxm-80gb", "--cache-blocks", "800", "--no-sweep", "--out", str(out),
                "--quiet"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
