@@ -191,9 +191,9 @@ class Belady(ScoredPolicy):
 NEVER = -1
 
 #: Requests per chunk of the backward pass.
-_CHUNK_REQUESTS = 16384
+_CHUNK_REQUESTS = 4096
 #: Block ids buffered by the forward pass before they are written.
-_CHUNK_IDS = 1 << 20
+_CHUNK_IDS = 1 << 16
 #: Largest int id stored as itself (above: renumbered like any other key).
 _MAX_RAW_ID = (1 << 62) - 1
 #: Entries of a memory-mapped window read by `FileBelady`.
@@ -250,7 +250,7 @@ class NextUseFile:
        stored as they are; any other key (a str, a 128-bit token hash) gets a dense number
        from a dict, stored negative.
     2. **backward** (`next_uses`, per pool size that rejects a different set of requests):
-       the ids are read back from the end in chunks of 16,384 requests; within a chunk a
+       the ids are read back from the end in chunks of 4,096 requests; within a chunk a
        stable sort by id pairs each access with the next one of the same block, and an array
        ``last`` (one slot per distinct id: the index of the earliest later request using it)
        answers for the rest. The result, the index of the next request using the block
