@@ -28,8 +28,17 @@ block overall, and restricting the choice to leaves loses nothing.
 
 Without a future (``Belady()``, as ``make_policy("belady")`` builds it) every block is
 "never used again" and the order degenerates to the tie-break: least recently used first.
-``build_policy("belady", requests=..., time_axis=...)`` (what the simulator, the replay and the
-engine call) gives it the future of those requests.
+``build_policy("belady", requests=..., time_axis=...)`` (what the simulator and the engine
+call) gives it the future of those requests.
+
+**At trace scale.** `Belady` keeps every access time of every block in memory. The replay
+(`kvevict.replay`, ``"belady"`` by name) uses `FileBelady` instead: a first pass over the
+trace (`NextUseFile.build`) writes each block access's id to a file, a backward pass over that
+file writes, per access, the index of the next request using the same block (`NEVER` for
+none), and the replay reads those through a memory-mapped window as requests begin. Memory is
+one slot per distinct block during the backward pass (4 bytes for dense int ids; see
+`NextUseFile`) and one number per cached block during the replay. Its victims are `Belady`'s
+(the tests compare them eviction by eviction on the bundled trace).
 """
 
 from __future__ import annotations
