@@ -12,9 +12,9 @@ Each measurement runs in a **fresh subprocess**: ``kvevict.replay.replay(TraceFi
 "mooncake"), policy, --capacity)``, nothing else. The parent reads the child's peak
 resident set size from the ``ru_maxrss`` of its resource usage (``os.wait4``, the
 per-child form of ``resource.getrusage(RUSAGE_CHILDREN)``), so one measurement never
-inherits another's peak. The peak includes the interpreter, numpy and kvevict (about
-100 MB); page-cache pages of the trace file do not count, mapped pages of Belady's next-use
-file do (a window of them at a time, 4 MB).
+inherits another's peak. The peak includes the interpreter, numpy, torch and kvevict (about
+250 MB); page-cache pages of the trace file do not count, mapped pages of Belady's files
+do (a window of each at a time, 20 MB in all).
 
 For each policy it measures ``--requests / --ratio`` and ``--requests`` requests (the
 first lines of the same file) and reports wall and CPU seconds of the replay (reading the
@@ -23,11 +23,18 @@ ratio over the request ratio (1.0: linear; CPU time, since other work on a share
 inflates wall time much more). Targets (issue
 12): peak RSS at most 2 GB for LRU and Belady at 10M requests; time linear in requests.
 
+``--components`` instead measures, at ``--requests`` and without the per-request Python
+work that makes a full 10M run take hours on a small machine, the two parts whose memory
+grows with the trace: the Mooncake reader's prefix-chain check (`IdTable.link` over every
+request's ids) and Belady's backward pass (`NextUseFile.next_uses` over the ids file, written
+with numpy here). Everything else a replay holds is the cache, measured flat by the full runs.
+
 Run from the repository root::
 
     python benchmarks/bench_scale.py --requests 1000000            # 100k and 1M
     python benchmarks/bench_scale.py --requests 10000000 --policies lru
     python benchmarks/bench_scale.py --requests 200000 --ratio 4 --capacity 5000
+    python benchmarks/bench_scale.py --requests 10000000 --components
 
 ``pytest benchmarks/bench_scale.py`` runs one quick check (the repeated trace's shape and a
 small replay of it); the measurement itself is the script.
@@ -109,10 +116,73 @@ def child(trace: str, policy: str, capacity: int, workdir: str | None) -> None:
                       "evictions": result.evictions}))
 
 
-def measure(trace: str, policy: str, capacity: int, workdir: str | None) -> dict:
-    """Run `child` in a subprocess; its JSON plus ``peak_rss`` (bytes) from ``wait4``."""
+def component(name: str, requests: int, workdir: str) -> None:
+    """One part of the replay at full scale, without the per-request Python work (run in a
+    fresh interpreter): print its seconds as JSON.
+
+    - ``chains``: the Mooncake reader's prefix-chain check (`IdTable.link`) over every
+      request's ids of the repeated trace: what the reader keeps grows with the distinct ids;
+    - ``backward``: Belady's backward pass (`NextUseFile.next_uses`) over the ids file of the
+      repeated trace, written here with numpy instead of the forward pass's request loop.
+    """
+    from kvevict.policies.belady import NextUseFile
+    from kvevict.workloads import IdTable
+
+    base = read_mooncake(bundled_trace_path())
+    ids = [np.asarray(r.block_hashes, dtype=np.int64) for r in base]
+    stride = int(max(int(a.max()) for a in ids)) + 1
+    reps, rest = divmod(requests, len(base))
+    start = time.perf_counter()
+    if name == "chains":
+        table = IdTable()
+        lists = [a.tolist() for a in ids]
+        for rep in range(reps + 1):
+            shift = rep * stride
+            for chain in lists[:len(base) if rep < reps else rest]:
+                if table.link([h + shift for h in chain]) >= 0:
+                    raise AssertionError("a broken chain in the repeated trace")
+        extra = {"entries": len(table), "table_bytes": table.nbytes}
+    elif name == "backward":
+        root = tempfile.mkdtemp(prefix="kvevict-bench-backward-", dir=workdir)
+        flat = np.concatenate(ids)
+        counts = np.asarray([len(a) for a in ids], dtype=np.int64)
+        needs = np.asarray([-(-r.num_tokens // 512) for r in base], dtype=np.int64)
+        offsets = [np.zeros(1, dtype=np.int64)]
+        accesses = 0
+        with open(os.path.join(root, "ids.i64"), "wb") as fid, \
+                open(os.path.join(root, "need.i64"), "wb") as fneed:
+            for rep in range(reps + 1):
+                n = len(base) if rep < reps else rest
+                part = counts[:n]
+                (flat[:int(part.sum())] + rep * stride).tofile(fid)
+                needs[:n].tofile(fneed)
+                offsets.append(accesses + np.cumsum(part))
+                accesses += int(part.sum())
+        np.concatenate(offsets).tofile(os.path.join(root, "offsets.i64"))
+        future = NextUseFile(root, num_requests=requests, num_accesses=accesses,
+                             num_slots=stride * (reps + 1), base=stride * (reps + 1),
+                             max_need=int(needs.max()), block_size=512, spill=False)
+        written = time.perf_counter()
+        future.next_uses(None)
+        extra = {"accesses": accesses, "write_seconds": written - start,
+                 "bytes_on_disk": future.bytes_on_disk}
+        start = written
+        future.close()
+    else:
+        raise SystemExit(f"unknown component {name!r}")
+    print(json.dumps({"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time(),
+                      "requests": requests, **extra}))
+
+
+def measure(trace: str, policy: str, capacity: int, workdir: str | None,
+            component_of: int | None = None) -> dict:
+    """Run `child` (or `component` ``policy`` of ``component_of`` requests) in a subprocess;
+    its JSON plus ``peak_rss`` (bytes) from ``wait4``."""
     command = [sys.executable, os.path.abspath(__file__), "--child", trace, "--policy", policy,
                "--capacity", str(capacity)]
+    if component_of is not None:
+        command = [sys.executable, os.path.abspath(__file__), "--component", policy,
+                   "--requests", str(component_of)]
     if workdir:
         command += ["--workdir", workdir]
     env = dict(os.environ)
@@ -142,11 +212,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None,
                         help="directory for the trace and Belady's files (default: a "
                              "temporary directory, removed at the end)")
+    parser.add_argument("--components", action="store_true",
+                        help="instead: time and size, at --requests, the two parts of the "
+                             "replay whose memory grows with the trace (the reader's chain "
+                             "check, Belady's backward pass), without the per-request work")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--component", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--policy", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         child(args.child, args.policy, args.capacity, args.workdir)
+        return 0
+    if args.component:
+        component(args.component, args.requests, args.workdir)
+        return 0
+    if args.components:
+        root = tempfile.mkdtemp(prefix="kvevict-bench-scale-", dir=args.workdir)
+        try:
+            print("| part | requests | seconds | peak RSS | details |")
+            print("|---|---:|---:|---:|---|", flush=True)
+            for name in ("chains", "backward"):
+                r = measure("", name, 0, root, component_of=args.requests)
+                details = ", ".join(f"{k} {v:,.0f}" if isinstance(v, (int, float)) else k
+                                    for k, v in r.items()
+                                    if k not in ("seconds", "cpu_seconds", "requests",
+                                                 "peak_rss"))
+                print(f"| {name} | {r['requests']:,} | {r['seconds']:.1f} | "
+                      f"{r['peak_rss'] / 1e6:,.0f} MB | {details} |", flush=True)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
         return 0
     if args.requests < args.ratio or args.ratio < 2:
         parser.error("--requests must be at least --ratio, and --ratio at least 2")
