@@ -427,3 +427,21 @@ def test_a_broken_chain_names_the_line_that_first_listed_the_id(tmp_path):
                                                "line 2") as info:
         read_mooncake(path)
     assert info.value.line == 4
+
+
+def test_the_chain_check_can_be_skipped_and_then_holds_nothing_per_id(tmp_path):
+    import tracemalloc
+
+    path = _write(tmp_path, _line(), _line(hash_ids=[3, 2]))
+    with pytest.raises(TraceFormatError, match="prefix-chained"):
+        read_mooncake(path)
+    assert [r.block_hashes for r in read_mooncake(path, check_chains=False)] == [(1, 2), (3, 2)]
+    lines = [_line(timestamp=i, hash_ids=list(range(3 * i, 3 * i + 3))) for i in range(4000)]
+    big = _write(tmp_path, *lines)
+    for check, at_least in ((True, 8 * 12_000), (False, 0)):
+        tracemalloc.start()
+        for _ in iter_mooncake(big, check_chains=check):
+            pass
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert (peak >= at_least) if check else (peak < 64 * 1024), (check, peak)
