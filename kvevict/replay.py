@@ -2,33 +2,46 @@
 
 Semantics (one `KVCacheManager` over a metadata-only `BlockPool` of ``capacity_blocks``):
 
-- requests run **one at a time**, in list order: ``begin`` then ``finish``, nothing else
-  (no decode appends, no concurrency, no queueing, no cost model);
+- requests run **one at a time**, in the order given: ``begin`` then ``finish``, nothing
+  else (no decode appends, no concurrency, no queueing, no cost model);
 - a prompt's hit is its longest cached prefix: counting **stops at the first missing
   block**, as in vLLM's and SGLang's prefix caching;
 - the prompt's missing blocks are allocated, evicting candidates through the policy; only
   **leaves** are evicted and the running request's own blocks are protected;
 - on ``finish`` the blocks are released tail first and become candidates;
 - the clock is set to the request's time before each request: its index (``time="index"``,
-  the default) or its arrival, made strictly increasing (``time="arrival"``); see
-  `kvevict.policies.belady.request_times`;
+  the default) or its arrival, made strictly increasing (``time="arrival"``: ties are
+  nudged up to the next float, as `kvevict.policies.belady.request_times` does; an arrival
+  before the previous request's is a `ConfigError` naming the request);
 - an offline policy (``"belady"``) gets its future from the same requests on the same time
-  axis (`kvevict.policies.registry.build_policy`), so it is the exact furthest-next-use oracle
-  of this replay;
+  axis, so it is the exact furthest-next-use oracle of this replay;
 - a request larger than the whole pool cannot run: its blocks count as misses, the cache is
-  left as it was, and it is counted in ``rejected``.
+  left as it was, and it is counted in ``rejected``; it is no one's next use.
 
-Run ``python -m kvevict.replay --trace mooncake --sizes 1000,2000,5000,10000,20000`` for the
-Markdown table of every registered policy.
+**Scale.** The requests are consumed lazily, one at a time: any iterable works (a list, a
+generator, a `kvevict.workloads.TraceFile` or ``iter_mooncake(path)``), and an online
+replay holds the cache (the pool, the prefix tree, the policy's index: in proportion to
+``capacity_blocks``) and running counters, not the trace. Per-request records are kept only
+with ``records=True``. ``"belady"`` by name reads the trace twice: a first pass writes, per
+block access, the index of the next request using the block to a file
+(`kvevict.policies.belady.NextUseFile`: memory in proportion to the distinct blocks, see
+there), then the replay reads it through a memory-mapped window (`FileBelady`); a one-shot
+iterator is spilled to a temporary file during the first pass so it can be read again.
+Another offline policy (a user's ``from_requests``) gets the requests as a list.
+`replay_table` feeds every (policy, size) cell from one pass over the trace.
+
+Run ``kvevict replay`` (or ``python -m kvevict.replay``) for the Markdown table of every
+registered policy, e.g. ``kvevict replay --sizes 1000,2000,5000,10000,20000``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time as _time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,7 +49,7 @@ import kvevict.policies  # noqa: F401  (registers the built-in policies)
 from kvevict.errors import ConfigError, OutOfBlocks
 from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy, available_policies
-from kvevict.policies.belady import request_times
+from kvevict.policies.belady import Belady, FileBelady, NextUseFile
 from kvevict.policies.registry import (
     POLICIES,
     PolicySpec,
@@ -48,7 +61,24 @@ from kvevict.policies.registry import (
 from kvevict.pool import BlockPool
 from kvevict.types import ManualClock, Request
 
-__all__ = ["ReplayResult", "ReplayTable", "format_table", "main", "replay", "replay_table"]
+__all__ = ["ReplayRecord", "ReplayResult", "ReplayTable", "format_table", "main", "open_trace",
+           "replay", "replay_table"]
+
+#: ``progress(phase, requests done)`` is called every this many requests (and at the end).
+PROGRESS_EVERY = 1000
+
+
+@dataclass(frozen=True)
+class ReplayRecord:
+    """One request of a replay (``records=True``)."""
+
+    index: int  #: position in the trace (0-based)
+    request_id: Any
+    blocks: int  #: cacheable prompt blocks looked up
+    block_hits: int  #: of those, found cached
+    tokens: int  #: prompt tokens looked up
+    token_hits: int  #: of those, found cached
+    rejected: bool = False  #: larger than the pool: not run, all misses
 
 
 @dataclass(frozen=True)
@@ -65,7 +95,11 @@ class ReplayResult:
     token_hits: int  #: of those, found cached
     evictions: int
     rejected: int = 0  #: requests larger than the pool (counted as all misses)
-    seconds: float = 0.0  #: wall time of the replay
+    #: wall time of this replay's own work: building its policy (for Belady: its backward
+    #: pass) and its begin/finish calls; reading the trace (and Belady's first pass) is shared
+    #: by the cells of a `replay_table` and not counted
+    seconds: float = 0.0
+    records: tuple[ReplayRecord, ...] | None = None  #: per request, with ``records=True``
 
     @property
     def block_hit_ratio(self) -> float:
@@ -78,37 +112,11 @@ class ReplayResult:
         return self.token_hits / self.token_queries if self.token_queries else 0.0
 
     def as_dict(self) -> dict[str, Any]:
+        """Every field (``records`` as a list of dicts, or None) and the two ratios."""
         out = asdict(self)
         out["block_hit_ratio"] = self.block_hit_ratio
         out["token_hit_ratio"] = self.token_hit_ratio
         return out
-
-
-def _check_requests(requests: Iterable[Request]) -> list[Request]:
-    if isinstance(requests, (str, bytes)):
-        raise ConfigError("requests must be a sequence of Request objects, not a string "
-                          "(read a trace first, e.g. with kvevict.workloads.read_mooncake)")
-    reqs = list(requests)
-    for req in reqs:
-        if not isinstance(req, Request):
-            raise ConfigError(f"replay takes Requests, got {type(req).__name__}")
-    return reqs
-
-
-def _build_policy(policy: PolicySpec, reqs: list[Request], times: list[float],
-                  capacity_blocks: int, block_size: int, extra_key: Any,
-                  params: Mapping[str, Any]) -> Policy:
-    """`build_policy`; an offline policy's future holds only the requests that fit the pool
-    (one larger than the pool never runs, so it is no one's next use)."""
-    future: list[Request] | None = None
-    future_times: list[float] = []
-    if isinstance(policy, str) and is_offline(policy):
-        fits = [(r, t) for r, t in zip(reqs, times, strict=True)
-                if -(-r.prompt_len // block_size) <= capacity_blocks]
-        future = [r for r, _ in fits]
-        future_times = [t for _, t in fits]
-    return build_policy(policy, params, requests=future, block_size=block_size,
-                        time_axis=future_times, extra_key=extra_key)
 
 
 def _label(policy: PolicySpec) -> str:
@@ -125,78 +133,241 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-def _replay(reqs: list[Request], times: list[float], policy: PolicySpec, capacity_blocks: int,
-            block_size: int, extra_key: Any, check_every: int, label: str | None,
-            params: Mapping[str, Any]) -> ReplayResult:
-    start = _time.perf_counter()
-    built = _build_policy(policy, reqs, times, capacity_blocks, block_size, extra_key,
-                          params)
-    clock = ManualClock(times[0] if times else 0.0)
-    manager = KVCacheManager(BlockPool(capacity_blocks, block_size), built, clock=clock,
-                             extra_key=extra_key)
-    rejected = rejected_blocks = rejected_tokens = 0
-    for i, (req, t) in enumerate(zip(reqs, times, strict=True)):
-        clock.set(t)
+def _check_source(requests: Any) -> None:
+    if isinstance(requests, (str, bytes, os.PathLike)):
+        raise ConfigError("requests must be an iterable of Request objects, not a string or "
+                          "path (read a trace first, e.g. with kvevict.workloads.TraceFile or "
+                          "kvevict.workloads.iter_mooncake)")
+    if not isinstance(requests, Iterable):
+        raise ConfigError(f"requests must be an iterable of Request objects, got "
+                          f"{type(requests).__name__}")
+
+
+def _check_time(time: str) -> str:
+    if time not in ("index", "arrival"):
+        raise ConfigError(f"time must be one of index, arrival, got {time!r}")
+    return time
+
+
+class _Axis:
+    """The clock value of each request, computed as they stream past: its index, or its
+    arrival made strictly increasing (an arrival before the previous one is an error)."""
+
+    def __init__(self, time: str) -> None:
+        self.arrival = _check_time(time) == "arrival"
+        self.last_arrival = -math.inf
+        self.last = -math.inf
+
+    def __call__(self, index: int, request: Request) -> float:
+        if not self.arrival:
+            return float(index)
+        t = float(request.arrival)
+        if t < self.last_arrival:
+            raise ConfigError(
+                f"request {request.request_id!r} (number {index} of the trace, from 0) "
+                f"arrives at {t:g} s, before the previous request's {self.last_arrival:g} s; "
+                "time='arrival' needs the requests in arrival order (sort them, or replay on "
+                "time='index')")
+        self.last_arrival = t
+        if t <= self.last:
+            t = math.nextafter(self.last, math.inf)
+        self.last = t
+        return t
+
+
+def _streams_belady(policy: PolicySpec, params: Mapping[str, Any]) -> bool:
+    """Whether the replay builds this policy as `FileBelady`: ``"belady"`` by name, with no
+    parameters of its own."""
+    return isinstance(policy, str) and not params and POLICIES.get(policy) is Belady
+
+
+def _needs_list(policy: PolicySpec, params: Mapping[str, Any]) -> bool:
+    """An offline policy other than the built-in Belady, by name alone: its
+    ``from_requests`` takes the requests as a list."""
+    return (isinstance(policy, str) and not params and is_offline(policy)
+            and not _streams_belady(policy, params))
+
+
+class _Cell:
+    """One policy at one pool size, fed one request at a time."""
+
+    def __init__(self, label: str, policy: Policy, capacity_blocks: int, block_size: int,
+                 extra_key: Any, check_every: int, records: bool, seconds: float) -> None:
+        self.label = label
+        self.capacity_blocks = capacity_blocks
+        self.block_size = block_size
+        self.policy = policy
+        self.clock = ManualClock(0.0)
+        self.manager = KVCacheManager(BlockPool(capacity_blocks, block_size), policy,
+                                      clock=self.clock, extra_key=extra_key)
+        self.check_every = check_every
+        self.records: list[ReplayRecord] | None = [] if records else None
+        self.requests = self.rejected = self.rejected_blocks = self.rejected_tokens = 0
+        self.seconds = seconds
+
+    def step(self, index: int, request: Request, t: float) -> None:
+        start = _time.perf_counter()
+        manager = self.manager
+        self.clock.set(t)
+        self.requests += 1
+        stats = manager.stats
+        hits_before, tokens_before = stats.block_hits, stats.prefix_cache_hits
         try:
-            seq = manager.begin(req)
+            seq = manager.begin(request)
         except OutOfBlocks:
-            rejected += 1
-            rejected_tokens += req.prompt_len
-            if req.block_hashes is not None:
-                rejected_blocks += len(req.block_hashes)
+            self.rejected += 1
+            tokens = request.prompt_len
+            if request.block_hashes is not None:
+                blocks = len(request.block_hashes)
             else:
-                rejected_blocks += req.prompt_len // block_size
-            continue
+                blocks = tokens // self.block_size
+            self.rejected_blocks += blocks
+            self.rejected_tokens += tokens
+            if self.records is not None:
+                self.records.append(ReplayRecord(index, request.request_id, blocks, 0,
+                                                 tokens, 0, True))
+            self.seconds += _time.perf_counter() - start
+            return
         manager.finish(seq.seq_id)
-        if check_every and (i + 1) % check_every == 0:
+        if self.records is not None:
+            self.records.append(ReplayRecord(
+                index, request.request_id, len(seq.hashes), stats.block_hits - hits_before,
+                request.prompt_len, stats.prefix_cache_hits - tokens_before))
+        if self.check_every and self.requests % self.check_every == 0:
             manager.check()
-    if check_every:
-        manager.check()
-    stats = manager.stats
-    return ReplayResult(
-        policy=label if label is not None else _label(policy),
-        capacity_blocks=capacity_blocks,
-        block_size=block_size,
-        requests=len(reqs),
-        accesses=stats.block_queries + rejected_blocks,
-        hits=stats.block_hits,
-        token_queries=stats.prefix_cache_queries + rejected_tokens,
-        token_hits=stats.prefix_cache_hits,
-        evictions=stats.evictions,
-        rejected=rejected,
-        seconds=_time.perf_counter() - start,
-    )
+        self.seconds += _time.perf_counter() - start
+
+    def result(self) -> ReplayResult:
+        if self.check_every:
+            self.manager.check()
+        if isinstance(self.policy, FileBelady):
+            self.policy.close()
+        stats = self.manager.stats
+        return ReplayResult(
+            policy=self.label,
+            capacity_blocks=self.capacity_blocks,
+            block_size=self.block_size,
+            requests=self.requests,
+            accesses=stats.block_queries + self.rejected_blocks,
+            hits=stats.block_hits,
+            token_queries=stats.prefix_cache_queries + self.rejected_tokens,
+            token_hits=stats.prefix_cache_hits,
+            evictions=stats.evictions,
+            rejected=self.rejected,
+            seconds=self.seconds,
+            records=None if self.records is None else tuple(self.records),
+        )
+
+
+Progress = Callable[[str, int], None]
+
+
+def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dict[str, Any]]],
+         sizes: Sequence[int], block_size: int, time: str, extra_key: Any, check_every: int,
+         records: bool, progress: Progress | None,
+         workdir: str | os.PathLike[str] | None) -> list[ReplayResult]:
+    """Replay every (label, policy, params) of ``cells`` at every size, from one pass over
+    ``requests`` (two when Belady streams its future; see the module docstring)."""
+    source: Iterable[Request] = requests
+    if any(_needs_list(spec, params) for _, spec, params in cells):
+        source = list(requests)
+        for req in source:
+            if not isinstance(req, Request):
+                raise ConfigError(f"replay takes Requests, got {type(req).__name__}")
+    future: NextUseFile | None = None
+    try:
+        if any(_streams_belady(spec, params) for _, spec, params in cells):
+            one_shot = iter(source) is source
+            tick = None if progress is None else (lambda n: progress("future", n))
+            future = NextUseFile.build(source, block_size=block_size, extra_key=extra_key,
+                                       directory=workdir, spill=one_shot, on_request=tick)
+            if one_shot:
+                source = future.spilled()
+        running = [_make_cell(label, spec, params, size, block_size, time, extra_key,
+                              check_every, records, source, future)
+                   for label, spec, params in cells for size in sizes]
+        axis = _Axis(time)
+        count = 0
+        for index, req in enumerate(source):
+            if not isinstance(req, Request):
+                raise ConfigError(f"replay takes Requests, got {type(req).__name__}")
+            t = axis(index, req)
+            for cell in running:
+                cell.step(index, req, t)
+            count = index + 1
+            if progress is not None and count % PROGRESS_EVERY == 0:
+                progress("replay", count)
+        if progress is not None:
+            progress("replay", count)
+        return [cell.result() for cell in running]
+    finally:
+        if future is not None:
+            future.close()
+
+
+def _make_cell(label: str, spec: PolicySpec, params: dict[str, Any], size: int,
+               block_size: int, time: str, extra_key: Any, check_every: int, records: bool,
+               source: Iterable[Request], future: NextUseFile | None) -> _Cell:
+    start = _time.perf_counter()
+    if _streams_belady(spec, params):
+        assert future is not None
+        policy: Policy = future.policy(size)
+    elif _needs_list(spec, params):
+        reqs = source if isinstance(source, list) else list(source)  # a list (see _run)
+        axis = _Axis(time)
+        times = [axis(i, r) for i, r in enumerate(reqs)]
+        fits = [(r, t) for r, t in zip(reqs, times, strict=True)
+                if -(-r.prompt_len // block_size) <= size]
+        policy = build_policy(spec, params, requests=[r for r, _ in fits],
+                              block_size=block_size, time_axis=[t for _, t in fits],
+                              extra_key=extra_key)
+    else:
+        policy = build_policy(spec, params)
+    return _Cell(label, policy, size, block_size, extra_key, check_every, records,
+                 _time.perf_counter() - start)
 
 
 def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int,
            block_size: int = 512, *, time: str = "index", extra_key: Any = None,
-           check_every: int = 0, label: str | None = None,
+           check_every: int = 0, label: str | None = None, records: bool = False,
+           progress: Progress | None = None, workdir: str | os.PathLike[str] | None = None,
            **policy_params: Any) -> ReplayResult:
     """Replay ``requests`` through one policy at one pool size (semantics: module docstring).
 
     Args:
-        requests: the trace, in order (token-mode or ``block_hashes`` requests).
+        requests: the trace, in order (token-mode or ``block_hashes`` requests): any
+            iterable, consumed lazily (see **Scale** in the module docstring).
         policy: a registered name (an offline one, ``"belady"``, gets its future from
             ``requests``), a fresh `Policy` instance, or a zero-argument factory returning one
             (see `kvevict.policies.registry.build_policy`).
         capacity_blocks: blocks in the pool.
         block_size: tokens per block (512 for the Mooncake traces).
         time: the clock axis: ``"index"`` (request ``i`` at time ``i``) or ``"arrival"``
-            (arrival seconds, strictly increasing). Time-aware parameters (half-lives,
-            windows) are in these units.
+            (arrival seconds, strictly increasing; the requests must be in arrival order).
+            Time-aware parameters (half-lives, windows) are in these units.
         extra_key: mixed into token-mode block hashes (see `KVCacheManager`).
         check_every: run `KVCacheManager.check` every this many requests (0: never; slow).
         label: the name to report (default: the policy's registry name).
+        records: keep a `ReplayRecord` per request (memory in proportion to the trace).
+        progress: called as ``progress(phase, requests done)`` every `PROGRESS_EVERY`
+            requests and at the end of each pass; ``phase`` is ``"future"`` for Belady's
+            first pass, ``"replay"`` for the replay.
+        workdir: where Belady's next-use files go (default: the system's temporary
+            directory); they are removed when the replay ends.
         policy_params: parameters of a policy given by name.
     """
     _positive_int("capacity_blocks", capacity_blocks)
     _positive_int("block_size", block_size)
     if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
         raise ConfigError(f"check_every must be a non-negative int, got {check_every!r}")
-    reqs = _check_requests(requests)
-    times = request_times(reqs, time)
-    return _replay(reqs, times, policy, capacity_blocks, block_size, extra_key, check_every,
-                   label, policy_params)
+    _check_source(requests)
+    _check_time(time)
+    if isinstance(policy, str):
+        POLICIES.get(policy)  # an unknown name fails before the trace is read
+    name = label if label is not None else _label(policy)
+    (result,) = _run(requests, [(name, policy, dict(policy_params))], [capacity_blocks],
+                     block_size, time, extra_key, check_every, records, progress, workdir)
+    return result
 
 
 @dataclass
@@ -228,11 +399,14 @@ def replay_table(requests: Iterable[Request],
                  policies: Sequence[str] | Mapping[str, PolicySpec] | None = None,
                  capacities: Iterable[int] = (1000, 2000, 5000, 10000, 20000),
                  block_size: int = 512, *, time: str = "index",
-                 extra_key: Any = None) -> ReplayTable:
-    """Replay every policy at every capacity.
+                 extra_key: Any = None, records: bool = False,
+                 progress: Progress | None = None,
+                 workdir: str | os.PathLike[str] | None = None) -> ReplayTable:
+    """Replay every policy at every capacity, all from one pass over ``requests`` (two with
+    Belady), each cell as `replay` would.
 
     Args:
-        requests: the trace.
+        requests: the trace (any iterable, consumed lazily).
         policies: registered names, or a mapping label -> name or zero-argument factory (a
             fresh policy is needed per replay, so instances are not accepted). Default: every
             registered policy, the offline ones (``"belady"``) last.
@@ -240,8 +414,11 @@ def replay_table(requests: Iterable[Request],
         block_size: as for `replay`.
         time: as for `replay`.
         extra_key: as for `replay`.
+        records: as for `replay` (per cell).
+        progress: as for `replay`.
+        workdir: as for `replay`.
     """
-    reqs = _check_requests(requests)
+    _check_source(requests)
     if policies is None:  # the online policies, then the oracle
         policies = online_first(available_policies())
     if isinstance(policies, str):
@@ -260,13 +437,10 @@ def replay_table(requests: Iterable[Request],
             POLICIES.get(spec)  # an unknown name fails before any replay runs
     sizes = [_positive_int("capacity", c) for c in capacities]
     _positive_int("block_size", block_size)
-    times = request_times(reqs, time)
-    table = ReplayTable(list(specs), sizes)
-    for lbl, spec in specs.items():
-        for size in sizes:
-            table.results.append(_replay(reqs, times, spec, size, block_size, extra_key, 0,
-                                         lbl, {}))
-    return table
+    _check_time(time)
+    results = _run(requests, [(lbl, spec, {}) for lbl, spec in specs.items()], sizes,
+                   block_size, time, extra_key, 0, records, progress, workdir)
+    return ReplayTable(list(specs), sizes, results)
 
 
 def format_table(table: ReplayTable, metric: str = "block_hit_ratio", digits: int = 4) -> str:
@@ -289,25 +463,48 @@ def format_table(table: ReplayTable, metric: str = "block_hit_ratio", digits: in
 # -- command line --------------------------------------------------------------------------
 
 
-def _load_trace(trace: str, block_size: int | None = None) -> tuple[list[Request], int]:
-    """The requests of ``--trace`` and its block size; a ``--block-size`` other than the
-    trace's is a `ConfigError` naming both."""
-    from kvevict.workloads.mooncake import (
-        BUNDLED_TRACES,
-        bundled_trace_path,
-        check_block_size,
-        read_mooncake,
-    )
+def open_trace(trace: str | os.PathLike[str], format: str = "mooncake", *,
+               block_size: int | None = None, time: str = "index",
+               flag: str = "--block-size") -> tuple[Any, int]:
+    """The trace a replay command reads, as a re-readable `kvevict.workloads.TraceFile`,
+    and the block size to replay it with.
 
-    if trace in BUNDLED_TRACES:
-        path = str(bundled_trace_path(trace))
-    elif os.path.isfile(trace):
-        path = trace
-    else:
+    ``trace`` is a bundled trace name (``"mooncake"``, format ``mooncake`` only) or a file.
+    Mooncake: the trace's own block size; a ``block_size`` other than it is a `ConfigError`
+    naming both and ``flag``. Alibaba: ``block_size`` or 16. JSONL and ShareGPT (token mode,
+    or block ids of a size only the caller knows): ``block_size`` or 16. With
+    ``time="arrival"`` the reader checks that arrivals never decrease, naming the line.
+    """
+    from kvevict.workloads import READERS, TraceFile
+    from kvevict.workloads.formats import ALIBABA_BLOCK_SIZE
+    from kvevict.workloads.mooncake import BUNDLED_TRACES, bundled_trace_path, check_block_size
+
+    if format not in READERS:
+        raise ConfigError(f"--format must be one of {', '.join(READERS)}, got {format!r}")
+    _check_time(time)
+    name = os.fspath(trace)
+    if format == "mooncake" and name in BUNDLED_TRACES:
+        path = str(bundled_trace_path(name))
+    elif os.path.isfile(name):
+        path = name
+    elif format == "mooncake":
         raise ConfigError(f"--trace must be a bundled trace ({', '.join(BUNDLED_TRACES)}) or "
-                          f"a Mooncake .jsonl file; {trace!r} is neither")
-    size = check_block_size(path, block_size, flag="--block-size")
-    return read_mooncake(path, block_size=size), size
+                          f"a Mooncake .jsonl file; {name!r} is neither")
+    else:
+        raise ConfigError(f"--trace must be a {format} trace file; {name!r} is not a file")
+    if block_size is not None:
+        _positive_int(flag, block_size)
+    arrival = time == "arrival"
+    if format == "mooncake":
+        size = check_block_size(path, block_size, flag=flag)
+        return TraceFile(path, "mooncake", block_size=size), size
+    if format == "alibaba":
+        size = block_size or ALIBABA_BLOCK_SIZE
+        return TraceFile(path, "alibaba", block_size=size, arrival_order=arrival), size
+    size = block_size or 16
+    if format == "sharegpt":
+        return TraceFile(path, "sharegpt", block_size=size), size
+    return TraceFile(path, "jsonl", arrival_order=arrival), size
 
 
 def _command_policies(text: str | None, modules: Sequence[str]) -> list[str] | None:
@@ -325,7 +522,8 @@ def _command_policies(text: str | None, modules: Sequence[str]) -> list[str] | N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvevict.replay``: print the Markdown table of a replay."""
+    """``python -m kvevict.replay``: print the Markdown table of a replay (``kvevict replay``
+    has these options and more: ``--format``, ``--out``, ``--records``, a progress bar)."""
     parser = argparse.ArgumentParser(
         prog="python -m kvevict.replay",
         description="Block-level replay of a trace through residency policies "
@@ -352,8 +550,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
         policies = _command_policies(args.policies, args.policy_module)
-        reqs, block_size = _load_trace(args.trace, args.block_size)
-        table = replay_table(reqs, policies, sizes, block_size, time=args.time)
+        trace, block_size = open_trace(args.trace, "mooncake", block_size=args.block_size,
+                                       time=args.time)
+        table = replay_table(trace, policies, sizes, block_size, time=args.time)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -363,4 +562,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
-

@@ -292,3 +292,57 @@ def test_belady_at_or_above_online_policies_on_random_traces(seed, capacity):
     assert oracle.rejected == 0
     for name in ("lru", "lfu", "pinned"):
         assert replay(reqs, name, capacity, BS).hits <= oracle.hits
+
+
+# -- the future from a file (trace scale) -----------------------------------------------------
+
+#: Belady's block hit ratios on the bundled trace (tests/test_replay.py GOLDEN), from the
+#: in-memory future and from the next-use file alike.
+GOLDEN_BELADY = {1000: 0.2691, 2000: 0.3742, 5000: 0.5256, 10000: 0.6174, 20000: 0.6396}
+
+
+@pytest.fixture(scope="module")
+def mooncake():
+    from kvevict.workloads import bundled_trace_path, read_mooncake
+
+    return read_mooncake(bundled_trace_path())
+
+
+def test_file_belady_gives_the_golden_numbers_and_the_same_victims(mooncake):
+    from kvevict.policies.belady import NextUseFile
+
+    with NextUseFile.build(mooncake, block_size=512) as future:
+        for size, golden in GOLDEN_BELADY.items():
+            runs = {}
+            for kind, policy in (("file", future.policy(size)),
+                                 ("dict", Belady.from_requests(mooncake))):
+                manager = KVCacheManager(BlockPool(size, 512), policy, clock=ManualClock())
+                evicted = []
+                manager.add_eviction_listener(lambda b, now, out=evicted: out.append(
+                    b.block_hash))
+                for i, req in enumerate(mooncake):
+                    manager.clock.set(float(i))
+                    manager.finish(manager.begin(req).seq_id)
+                runs[kind] = (manager.stats.block_hits, evicted)
+            assert runs["file"] == runs["dict"], size
+            assert round(runs["file"][0] / 121_877, 4) == golden
+        assert future.num_slots == 43_924 and future.num_accesses == 121_877
+
+
+def test_replay_builds_the_file_oracle_for_belady_by_name_only(mooncake, monkeypatch):
+    from kvevict.policies import belady as module
+
+    built = []
+    original = module.FileBelady.__init__
+
+    def spy(self, future, capacity_blocks):
+        built.append(capacity_blocks)
+        original(self, future, capacity_blocks)
+
+    monkeypatch.setattr(module.FileBelady, "__init__", spy)
+    reqs = mooncake[:300]
+    by_name = replay(reqs, "belady", 500)
+    assert built == [500]
+    assert replay(reqs, "belady", 500, future={}).hits < by_name.hits  # params: no file
+    assert replay(reqs, lambda: Belady.from_requests(reqs), 500).hits == by_name.hits
+    assert built == [500]

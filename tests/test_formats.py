@@ -349,3 +349,157 @@ def test_sharegpt_not_a_list_or_not_json(tmp_path):
     with pytest.raises(TraceFormatError) as info:
         read_sharegpt(path)
     assert_names(info.value, path, 3, None)
+
+
+# -- streaming -----------------------------------------------------------------------------
+
+
+def test_readers_stream_records_before_a_bad_line(tmp_path):
+    """The iterators hand out requests as they read: a malformed line is met only when the
+    reading reaches it."""
+    from kvevict.workloads.formats import iter_alibaba, iter_jsonl
+
+    good = [request_to_dict(Request(i, tokens=[1, 2, i])) for i in range(3)]
+    path = write_lines(tmp_path / "t.jsonl", [*good, "{broken", good[0]])
+    it = iter_jsonl(path)
+    assert [next(it).request_id for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(TraceFormatError) as info:
+        next(it)
+    assert_names(info.value, path, 4, None)
+    path = write_lines(tmp_path / "a.jsonl", [ALIBABA[0], ALIBABA[1], "[]"])
+    it = iter_alibaba(path)
+    assert [next(it).request_id, next(it).request_id] == [1, 2]
+    with pytest.raises(TraceFormatError):
+        next(it)
+
+
+def test_iterators_check_their_arguments_when_called(tmp_path):
+    from kvevict.workloads.formats import iter_alibaba, iter_sharegpt
+
+    missing = tmp_path / "missing.json"
+    with pytest.raises(ConfigError, match="block_size"):
+        iter_alibaba(missing, block_size=0)
+    with pytest.raises(ConfigError, match="chars_per_token"):
+        iter_sharegpt(missing, chars_per_token=0)
+    with pytest.raises(FileNotFoundError):
+        next(iter_sharegpt(missing))
+
+
+def test_jsonl_repeated_ids_name_the_first_line_for_every_id_type(tmp_path):
+    for first, again in ((7, 7), ("a", "a"), (-3, -3)):
+        recs = [request_to_dict(Request(rid, tokens=[1])) for rid in (first, "x", 5, again)]
+        path = write_lines(tmp_path / "dup.jsonl", recs)
+        with pytest.raises(TraceFormatError, match=f"{first!r} was already used on line 1"):
+            read_jsonl(path)
+    # an int and a str that print alike are different ids
+    recs = [request_to_dict(Request(rid, tokens=[1])) for rid in (7, "7")]
+    assert [r.request_id for r in read_jsonl(write_lines(tmp_path / "ok.jsonl", recs))] == [7,
+                                                                                          "7"]
+
+
+def test_jsonl_and_alibaba_check_arrival_order_when_asked(tmp_path):
+    from kvevict.workloads.formats import read_alibaba as alibaba
+
+    recs = [request_to_dict(Request(i, tokens=[1], arrival=t)) for i, t in
+            enumerate((1.0, 1.0, 0.5))]
+    path = write_lines(tmp_path / "t.jsonl", recs)
+    assert len(read_jsonl(path)) == 3
+    with pytest.raises(TraceFormatError, match=r"0\.5 s is earlier than line 2's 1 s") as info:
+        read_jsonl(path, arrival_order=True)
+    assert_names(info.value, path, 3, "arrival")
+    late = dict(ALIBABA[1], timestamp=0.25)
+    path = write_lines(tmp_path / "a.jsonl", [ALIBABA[0], late])
+    assert len(alibaba(path)) == 2
+    with pytest.raises(TraceFormatError) as info:
+        alibaba(path, arrival_order=True)
+    assert_names(info.value, path, 2, "timestamp")
+
+
+def test_alibaba_parent_after_its_child_names_the_child_line(tmp_path):
+    child = _alibaba(chat_id=70, parent_chat_id=71)
+    parent = _alibaba(chat_id=71, parent_chat_id=-1)
+    path = write_lines(tmp_path / "late_parent.jsonl", [ALIBABA[0], child, parent])
+    with pytest.raises(TraceFormatError, match="names chat 71, which comes later, on line 3"
+                       ) as info:
+        read_alibaba(path)
+    assert_names(info.value, path, 2, "parent_chat_id")
+
+
+def _reference_sharegpt_order(reqs):
+    """What the reader must produce: the requests sorted by arrival, ties in conversation
+    order, then turn (the order they are made in)."""
+    return sorted(reqs, key=lambda r: (r.arrival, r.extra["conversation"], r.turn))
+
+
+@pytest.mark.parametrize(("conversation_interval", "turn_interval"),
+                         [(1.0, 60.0), (0.0, 5.0), (7.0, 0.0), (0.3, 1.1), (2.0, 2.0)])
+def test_sharegpt_streams_in_arrival_order(tmp_path, conversation_interval, turn_interval):
+    import random
+
+    rng = random.Random(int(conversation_interval * 10 + turn_interval))
+    convs = []
+    for i in range(40):
+        msgs = [{"from": "human" if k % 2 == 0 else "gpt", "value": f"m{i}.{k} " * rng.randint(
+            0, 3)} for k in range(rng.randint(0, 7))]
+        convs.append({"id": f"c{i % 13}", "conversations": msgs})
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps(convs, indent=rng.choice([None, 1])))
+    reqs = read_sharegpt(path, conversation_interval=conversation_interval,
+                         turn_interval=turn_interval)
+    assert reqs and [r.request_id for r in reqs] == [
+        r.request_id for r in _reference_sharegpt_order(reqs)]
+    assert len({r.request_id for r in reqs}) == len(reqs)
+    per_conv = {}
+    for conv_index, conv in enumerate(convs):
+        per_conv[conv_index] = sum(1 for k, m in enumerate(conv["conversations"])
+                                   if m["from"] == "gpt" and any(
+                                       x["value"] for x in conv["conversations"][:k]))
+    assert len(reqs) == sum(per_conv.values())
+
+
+def test_json_array_reads_in_small_chunks_and_reports_json_errors_like_json_load(tmp_path):
+    from kvevict.workloads.formats import _json_array
+
+    data = [{"id": i, "v": [1.5, -2, "x\ny", None, True, {"k": 10 ** i}]} for i in range(30)]
+    data += [123456789, "tail", [], {}]
+    path = tmp_path / "a.json"
+    for indent in (None, 2):
+        path.write_text(json.dumps(data, indent=indent))
+        for chunk in (1, 3, 7, 64, 1 << 20):
+            assert list(_json_array(str(path), chunk)) == data
+    path.write_text("  [ ]  ")
+    assert list(_json_array(str(path), 2)) == []
+    text = json.dumps(data, indent=2)
+    for cut in (50, 333, len(text) // 2, len(text) - 3):
+        broken = text[:cut] + "}" + text[cut:]
+        path.write_text(broken)
+        try:
+            json.loads(broken)
+        except json.JSONDecodeError as exc:
+            want_line, want_col = exc.lineno, exc.colno
+        else:  # pragma: no cover - the cut always breaks it
+            raise AssertionError(cut)
+        for chunk in (5, 1 << 20):
+            with pytest.raises(TraceFormatError) as info:
+                list(_json_array(str(path), chunk))
+            assert info.value.line == want_line, (cut, chunk)
+            assert f"at column {want_col})" in str(info.value), (cut, chunk, str(info.value))
+
+
+def test_trace_file_reads_again_and_counts(tmp_path):
+    from kvevict.workloads import TraceFile
+
+    path = write_lines(tmp_path / "t.jsonl", [*ALIBABA[:3], ""])
+    trace = TraceFile(path, "alibaba")
+    assert [r.request_id for r in trace] == [r.request_id for r in trace] == [1, 2, 3]
+    assert trace.count() == 3 and trace.block_size == 16
+    assert TraceFile(path, "alibaba", block_size=32).block_size == 32
+    with pytest.raises(ConfigError, match="format must be one of jsonl, mooncake, alibaba, "
+                                          "sharegpt, got 'csv'"):
+        TraceFile(path, "csv")
+    with pytest.raises(ConfigError, match="block_size"):
+        TraceFile(path, "alibaba", block_size=-1)  # the options are checked at once
+    share = tmp_path / "s.json"
+    share.write_text(json.dumps(SHAREGPT))
+    assert TraceFile(share, "sharegpt").count() == 4
+    assert TraceFile(share, "sharegpt").block_size is None

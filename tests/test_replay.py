@@ -359,3 +359,89 @@ def test_write_token_mode_requests_keeps_shared_prefixes(tmp_path):
     assert [r.num_tokens for r in back] == [8, 13, 10]
     assert json.loads(path.read_text().splitlines()[0])["timestamp"] == 250
     assert replay(back, "lru", 10, 4).hits == replay(reqs, "lru", 10, 4).hits
+
+
+# -- streaming -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "market", "bayes", "belady"])
+def test_replay_of_an_iterator_equals_replay_of_a_list(trace, name):
+    head = trace[:700]
+    listed = replay(head, name, 800, records=True)
+    for source in (iter(head), (r for r in head), tuple(head)):
+        streamed = replay(source, name, 800, records=True)
+        assert streamed.records == listed.records
+        assert (streamed.hits, streamed.evictions, streamed.token_hits, streamed.requests) == (
+            listed.hits, listed.evictions, listed.token_hits, listed.requests)
+
+
+def test_records_hold_each_request_and_add_up():
+    reqs = _small()
+    result = replay(reqs, "lru", 3, 4, records=True)
+    assert [(r.index, r.request_id, r.blocks, r.block_hits, r.rejected) for r in
+            result.records] == [(0, 0, 3, 0, False), (1, 1, 3, 2, False), (2, 2, 1, 0, False),
+                                (3, 3, 3, 2, False), (4, 4, 5, 0, True), (5, 5, 2, 2, False)]
+    assert sum(r.block_hits for r in result.records) == result.hits
+    assert sum(r.tokens for r in result.records) == result.token_queries
+    assert result.as_dict()["records"][1] == {"index": 1, "request_id": 1, "blocks": 3,
+                                              "block_hits": 2, "tokens": 12, "token_hits": 8,
+                                              "rejected": False}
+    assert replay(reqs, "lru", 3, 4).records is None
+
+
+def test_progress_is_called_per_pass():
+    calls = []
+    reqs = _small()  # 6 requests: one call per pass, at the end
+    replay(reqs, "belady", 4, 4, progress=lambda phase, n: calls.append((phase, n)))
+    assert calls == [("future", 6), ("replay", 6)]
+    calls.clear()
+    replay([Request(i, block_hashes=[i], num_tokens=4) for i in range(2500)], "lru", 4, 4,
+           progress=lambda phase, n: calls.append((phase, n)))
+    assert calls == [("replay", 1000), ("replay", 2000), ("replay", 2500)]
+
+
+def test_arrival_axis_needs_arrival_order():
+    reqs = [Request(i, block_hashes=[i], num_tokens=4, arrival=t)
+            for i, t in enumerate((0.0, 2.0, 2.0, 1.5))]
+    with pytest.raises(ConfigError, match=r"request 3 \(number 3 of the trace, from 0\) "
+                                          r"arrives at 1\.5 s, before the previous request's "
+                                          r"2 s; time='arrival' needs the requests in arrival "
+                                          r"order"):
+        replay(reqs, "lru", 4, 4, time="arrival")
+    assert replay(reqs, "lru", 4, 4).requests == 4  # the index axis does not care
+    assert replay(reqs[:3], "belady", 4, 4, time="arrival").requests == 3  # ties are nudged
+
+
+def test_iter_mooncake_streams_before_a_bad_line(tmp_path):
+    path = _write(tmp_path, _line(), _line(timestamp=5, hash_ids=[1, 3]), "{oops")
+    it = iter_mooncake(path)
+    assert [next(it).request_id, next(it).request_id] == [0, 1]
+    with pytest.raises(TraceFormatError, match="not valid JSON"):
+        next(it)
+
+
+def test_a_broken_chain_names_the_line_that_first_listed_the_id(tmp_path):
+    path = _write(tmp_path, _line(hash_ids=[4]), _line(hash_ids=[1, 2]), _line(hash_ids=[1, 2]),
+                  _line(hash_ids=[9, 2]))
+    with pytest.raises(TraceFormatError, match="id 2 comes after id 9 here but after id 1 on "
+                                               "line 2") as info:
+        read_mooncake(path)
+    assert info.value.line == 4
+
+
+def test_the_chain_check_can_be_skipped_and_then_holds_nothing_per_id(tmp_path):
+    import tracemalloc
+
+    path = _write(tmp_path, _line(), _line(hash_ids=[3, 2]))
+    with pytest.raises(TraceFormatError, match="prefix-chained"):
+        read_mooncake(path)
+    assert [r.block_hashes for r in read_mooncake(path, check_chains=False)] == [(1, 2), (3, 2)]
+    lines = [_line(timestamp=i, hash_ids=list(range(3 * i, 3 * i + 3))) for i in range(4000)]
+    big = _write(tmp_path, *lines)
+    for check, at_least in ((True, 8 * 12_000), (False, 0)):
+        tracemalloc.start()
+        for _ in iter_mooncake(big, check_chains=check):
+            pass
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert (peak >= at_least) if check else (peak < 64 * 1024), (check, peak)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvevict.cli import engine, simulate
+from kvevict.cli import engine, export, replay, simulate
 from kvevict.cli.common import check_flags
 from kvevict.cli.simulate import DEFAULT_POLICIES
 from kvevict.errors import ConfigError, KVEvictError, TraceFormatError
@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decide which KV-cache state an LLM server keeps resident, with numbers.")
     sub = parser.add_subparsers(dest="command", required=True)
     simulate.add_parser(sub)
+    replay.add_parser(sub)
+    export.add_parser(sub)
     engine.add_parsers(sub)
     return parser
 

@@ -30,24 +30,33 @@ tuples). Only ``request_id`` and a prompt (``tokens``, or ``block_hashes`` with
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import attrs
 import numpy as np
 
 from kvevict.errors import ConfigError, TraceFormatError
 from kvevict.types import BLOCK_KINDS, Request, RetentionHint
 from kvevict.workloads.generators import block_kinds_from_spans
-from kvevict.workloads.mooncake import lengths_and_block_ids
+from kvevict.workloads.mooncake import (
+    IdTable,
+    check_block_size,
+    iter_mooncake,
+    lengths_and_block_ids,
+)
 
 __all__ = [
     "ALIBABA_BLOCK_SIZE",
     "ALIBABA_CLASSES",
+    "READERS",
+    "TraceFile",
+    "iter_alibaba",
     "iter_jsonl",
+    "iter_sharegpt",
     "read_alibaba",
     "read_jsonl",
     "read_sharegpt",
@@ -294,27 +303,83 @@ def _json_lines(path: str) -> Iterator[tuple[int, Any]]:
                                        path=path, line=line_no) from None
 
 
-def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[Request]:
+def _first_line(path: str, before: int, matches: Callable[[Any], bool]) -> int | None:
+    """The first line (below ``before``) whose JSON object ``matches``, read again from the
+    file: how the streaming readers name the earlier line of a duplicate without keeping a
+    line number per request (an error path only)."""
+    for line_no, obj in _json_lines(path):
+        if line_no >= before:
+            return None
+        if isinstance(obj, dict) and matches(obj):
+            return line_no
+    return None
+
+
+class _Order:
+    """The arrival-order check of a streaming reader: each arrival at least the previous
+    one's, else `TraceFormatError` naming the line and ``field``."""
+
+    def __init__(self, path: str, field: str, unit: str) -> None:
+        self.path, self.field, self.unit = path, field, unit
+        self.last = -math.inf
+        self.last_line = 0
+
+    def check(self, value: float, line: int) -> None:
+        if value < self.last:
+            raise TraceFormatError(
+                f"{value:g} {self.unit} is earlier than line {self.last_line}'s {self.last:g} "
+                f"{self.unit}; expected requests in arrival order (non-decreasing "
+                f"{self.field}), as a replay on the arrival time axis needs",
+                path=self.path, line=line, field=self.field)
+        self.last, self.last_line = value, line
+
+
+def iter_jsonl(path: str | os.PathLike[str], *, arrival_order: bool = False
+               ) -> Iterator[Request]:
     """Yield the requests of a kvevict JSONL file one at a time, in file order.
 
     Blank lines are skipped. A repeated ``request_id`` is an error (field ``request_id``).
+    With ``arrival_order`` an ``arrival`` smaller than the previous line's is an error too
+    (field ``arrival``): the file must list requests in arrival order, as
+    `kvevict.workloads.write_jsonl` of a generated workload does.
+
+    It holds one record at a time, plus what the duplicate check remembers: 8 bytes per
+    non-negative int id (an `IdTable`), else one Python hash per id in a set (about 70
+    bytes); a hash seen twice is confirmed by reading the file again.
     """
-    name = os.fspath(path)
-    seen: dict[Any, int] = {}
+    return _iter_jsonl(os.fspath(path), bool(arrival_order))
+
+
+def _iter_jsonl(name: str, arrival_order: bool) -> Iterator[Request]:
+    ints = IdTable()  # non-negative int request id -> 0
+    others: set[int] = set()  # hash((type name, id)) of the other ids
+    order = _Order(name, "arrival", "s") if arrival_order else None
     for line_no, obj in _json_lines(name):
         req = request_from_dict(obj, path=name, line=line_no)
-        key = (type(req.request_id).__name__, req.request_id)
-        if key in seen:
-            raise TraceFormatError(f"{req.request_id!r} was already used on line {seen[key]}; "
-                                   "expected unique request ids", path=name, line=line_no,
-                                   field="request_id")
-        seen[key] = line_no
+        rid = req.request_id
+        if _is_int(rid) and rid >= 0:
+            repeated = rid in ints
+            if not repeated:
+                ints[rid] = 0
+        else:
+            key = hash((type(rid).__name__, rid))
+            repeated = key in others
+            others.add(key)
+        if repeated:
+            first = _first_line(name, line_no, lambda o, rid=rid: (
+                type(o.get("request_id")) is type(rid) and o.get("request_id") == rid))
+            if first is not None:  # else two ids shared a hash: not a repeat
+                raise TraceFormatError(f"{rid!r} was already used on line {first}; expected "
+                                       "unique request ids", path=name, line=line_no,
+                                       field="request_id")
+        if order is not None:
+            order.check(req.arrival, line_no)
         yield req
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> list[Request]:
+def read_jsonl(path: str | os.PathLike[str], *, arrival_order: bool = False) -> list[Request]:
     """All requests of a kvevict JSONL file, in file order (see `iter_jsonl`)."""
-    return list(iter_jsonl(path))
+    return list(iter_jsonl(path, arrival_order=arrival_order))
 
 
 # -- Alibaba (Qwen-Bailian) ----------------------------------------------------------------
@@ -324,7 +389,7 @@ _ALIBABA_FIELDS = ("chat_id", "parent_chat_id", "timestamp", "input_length", "ou
 
 
 def _parse_alibaba(obj: Any, path: str, line: int, block_size: int,
-                   classes: dict[str, str]) -> Request:
+                   classes: dict[str, str], roots: IdTable, pending: IdTable) -> Request:
     if not isinstance(obj, dict):
         raise TraceFormatError(f"expected a JSON object, got {type(obj).__name__}",
                                path=path, line=line)
@@ -360,14 +425,48 @@ def _parse_alibaba(obj: Any, path: str, line: int, block_size: int,
     if ids and num_tokens < block_size * (len(ids) - 1) + 1:
         num_tokens = block_size * (len(ids) - 1) + 1
         extra["input_length"] = input_length
+    session = _alibaba_session(chat_id, parent, path, line, roots, pending)
     return Request(chat_id, block_hashes=ids, num_tokens=num_tokens, arrival=float(ts),
                    output_len=output_length, turn=turn, workload_class=classes.get(rtype, rtype),
-                   extra=extra)
+                   session_id=session, extra=extra)
 
 
-def read_alibaba(path: str | os.PathLike[str], *, block_size: int = ALIBABA_BLOCK_SIZE,
-                 classes: dict[str, str] | None = None) -> list[Request]:
-    """All requests of an Alibaba "KVCache in the wild" trace, in file order.
+def _alibaba_session(chat_id: int, parent: int, path: str, line: int, roots: IdTable,
+                     pending: IdTable) -> int:
+    """The root chat of ``chat_id`` (recorded in ``roots``): itself for a first turn, its
+    parent's root for a parent on an earlier line, the parent's id for a parent not seen
+    (outside the trace window; ``pending`` keeps the first line that named it, so that the
+    parent turning up later is an error naming that line)."""
+    if chat_id in roots:
+        first = _first_line(path, line, lambda o: o.get("chat_id") == chat_id)
+        raise TraceFormatError(f"{chat_id} was already used on line {first}; expected unique "
+                               "chat ids", path=path, line=line, field="chat_id")
+    named_on = pending.get(chat_id)
+    if named_on is not None:
+        raise TraceFormatError(
+            f"parent_chat_id {chat_id} names chat {chat_id}, which comes later, on line "
+            f"{line}; expected each parent on an earlier line than its children (the trace in "
+            "time order), or -1, or an id outside the trace", path=path, line=named_on,
+            field="parent_chat_id")
+    if parent == -1:
+        root = chat_id
+    else:
+        known = roots.get(parent)
+        if known is None:  # not (yet) in the file: the conversation began before it
+            root = parent
+            if parent not in pending:
+                pending[parent] = line
+        else:
+            root = known
+    roots[chat_id] = root
+    return root
+
+
+def iter_alibaba(path: str | os.PathLike[str], *, block_size: int = ALIBABA_BLOCK_SIZE,
+                 classes: dict[str, str] | None = None, arrival_order: bool = False
+                 ) -> Iterator[Request]:
+    """Yield the requests of an Alibaba "KVCache in the wild" trace one at a time, in file
+    order.
 
     Each line becomes a hash-mode `Request`: ``request_id`` = ``chat_id``, ``block_hashes`` =
     ``hash_ids`` (``block_size``-token blocks, 16 in the published traces), ``arrival`` =
@@ -375,9 +474,11 @@ def read_alibaba(path: str | os.PathLike[str], *, block_size: int = ALIBABA_BLOC
     ``extra`` = ``{"type": ..., "parent_chat_id": ...}``.
 
     **Sessions.** ``session_id`` is the root chat id, found by following ``parent_chat_id``
-    links (``-1`` marks a root) through the whole file. A parent that is not in the file (the
+    links (``-1`` marks a root) to earlier lines. A parent that is not in the file (the
     conversation began before the trace window) anchors the chain: the session is that
-    missing parent's id, so its later turns still group together.
+    missing parent's id, so its later turns still group together. A parent must come before
+    its children (the published traces are in time order): a chat named as a parent on an
+    earlier line is an error naming that line, which also rules out cycles.
 
     **Classes.** ``workload_class`` comes from ``type`` through ``classes`` (default
     `ALIBABA_CLASSES`: ``text`` → ``chat``; ``search`` → ``rag``, search results are
@@ -388,10 +489,16 @@ def read_alibaba(path: str | os.PathLike[str], *, block_size: int = ALIBABA_BLOC
     ``num_tokens = max(input_length, block_size * (len(hash_ids) - 1) + 1)``; a raised
     length keeps the original in ``extra["input_length"]``.
 
+    **Order.** With ``arrival_order`` a ``timestamp`` smaller than the previous line's is an
+    error (field ``timestamp``).
+
+    **Memory.** One record at a time, plus each chat's session in an `IdTable` (8 bytes per
+    chat for dense chat ids).
+
     Malformed input raises `TraceFormatError` naming the file, line and field: invalid
     JSON, a missing field, a wrong type, a negative length or timestamp, ``hash_ids`` that
     are not distinct non-negative ints, a repeated ``chat_id``, or a ``parent_chat_id`` that
-    makes a cycle. Unknown extra fields are ignored.
+    names a later line. Unknown extra fields are ignored.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
@@ -400,39 +507,28 @@ def read_alibaba(path: str | os.PathLike[str], *, block_size: int = ALIBABA_BLOC
         if not isinstance(k, str) or not isinstance(v, str) or not v:
             raise ConfigError(f"classes must map type strings to non-empty class names, got "
                               f"{k!r}: {v!r}")
-    name = os.fspath(path)
-    requests: list[Request] = []
-    lines: dict[int, int] = {}  # chat_id -> line
-    parents: dict[int, int] = {}
+    return _iter_alibaba(os.fspath(path), block_size, mapping, bool(arrival_order))
+
+
+def _iter_alibaba(name: str, block_size: int, mapping: dict[str, str],
+                  arrival_order: bool) -> Iterator[Request]:
+    roots = IdTable()  # chat id -> its session's root chat id
+    pending = IdTable()  # parent id not seen yet -> the first line that named it
+    order = _Order(name, "timestamp", "s") if arrival_order else None
     for line_no, obj in _json_lines(name):
-        req = _parse_alibaba(obj, name, line_no, block_size, mapping)
-        cid = req.request_id
-        if cid in lines:
-            raise TraceFormatError(f"{cid} was already used on line {lines[cid]}; expected "
-                                   "unique chat ids", path=name, line=line_no, field="chat_id")
-        lines[cid] = line_no
-        parents[cid] = req.extra["parent_chat_id"]
-        requests.append(req)
-    roots: dict[int, int] = {}
-    for req in requests:
-        cid = req.request_id
-        chain = [cid]
-        node = cid
-        while node not in roots:
-            parent = parents.get(node)
-            if parent is None or parent == -1:  # a root, or a parent outside the file
-                roots[node] = node
-                break
-            if parent in chain:
-                raise TraceFormatError(f"following parent links from chat {cid} loops back to "
-                                       f"chat {parent}; expected links to earlier turns",
-                                       path=name, line=lines[cid], field="parent_chat_id")
-            chain.append(parent)
-            node = parent
-        root = roots[node]
-        for c in chain:
-            roots[c] = root
-    return [attrs.evolve(req, session_id=roots[req.request_id]) for req in requests]
+        req = _parse_alibaba(obj, name, line_no, block_size, mapping, roots, pending)
+        if order is not None:
+            order.check(req.arrival, line_no)
+        yield req
+
+
+def read_alibaba(path: str | os.PathLike[str], *, block_size: int = ALIBABA_BLOCK_SIZE,
+                 classes: dict[str, str] | None = None, arrival_order: bool = False
+                 ) -> list[Request]:
+    """All requests of an Alibaba "KVCache in the wild" trace, in file order (see
+    `iter_alibaba`)."""
+    return list(iter_alibaba(path, block_size=block_size, classes=classes,
+                             arrival_order=arrival_order))
 
 
 # -- ShareGPT ------------------------------------------------------------------------------
@@ -479,11 +575,13 @@ def synthetic_token_ids(text: str, chars_per_token: float = 4.0,
     return (sums % np.uint64(vocab_size)).astype(np.int64)
 
 
-def read_sharegpt(path: str | os.PathLike[str], tokenizer: Callable[[str], Any] | None = None,
-                  chars_per_token: float = 4.0, *, vocab_size: int = 32000,
-                  block_size: int = 16, conversation_interval: float = 1.0,
-                  turn_interval: float = 60.0, limit: int | None = None) -> list[Request]:
-    """Requests from a ShareGPT-shaped conversation file: one per assistant message.
+def iter_sharegpt(path: str | os.PathLike[str],
+                  tokenizer: Callable[[str], Any] | None = None, chars_per_token: float = 4.0,
+                  *, vocab_size: int = 32000, block_size: int = 16,
+                  conversation_interval: float = 1.0, turn_interval: float = 60.0,
+                  limit: int | None = None) -> Iterator[Request]:
+    """Yield the requests of a ShareGPT-shaped conversation file one at a time, in arrival
+    order: one per assistant message.
 
     The file is a JSON list of ``{"id": str, "conversations": [{"from": role, "value":
     str}, ...]}``; roles ``human``/``user``, ``gpt``/``assistant`` (also ``chatgpt``,
@@ -499,13 +597,19 @@ def read_sharegpt(path: str | os.PathLike[str], tokenizer: Callable[[str], Any] 
 
     The format has no times: conversation ``i`` starts at ``i * conversation_interval`` and
     its turns follow ``turn_interval`` seconds apart (a simple deterministic clock; re-time
-    the requests for anything else). Requests are sorted by arrival. ``session_id`` is the
-    conversation's ``id`` (``conv<index>`` when missing; ``<id>#<index>`` when repeated),
-    ``request_id`` is ``<session>/<turn>``, ``turn`` counts assistant messages from 1,
-    ``workload_class`` is ``chat`` and ``block_kinds`` (for ``block_size``) tag earlier
-    answers ``output`` and the rest ``prompt``. An assistant message with nothing before it
-    (a greeting) makes no request, but later prompts include it. ``limit`` reads only the
-    first conversations.
+    the requests for anything else). Requests come sorted by arrival (ties: conversation
+    order, then turn). ``session_id`` is the conversation's ``id`` (``conv<index>`` when
+    missing; ``<id>#<index>`` when repeated), ``request_id`` is ``<session>/<turn>``,
+    ``turn`` counts assistant messages from 1, ``workload_class`` is ``chat`` and
+    ``block_kinds`` (for ``block_size``) tag earlier answers ``output`` and the rest
+    ``prompt``. An assistant message with nothing before it (a greeting) makes no request,
+    but later prompts include it. ``limit`` reads only the first conversations.
+
+    **Memory.** The list is parsed one conversation at a time (`json.JSONDecoder.raw_decode`
+    over a buffer of the file). Requests wait in a heap until no later conversation can
+    arrive before them: those that arrive after the start of the conversation being read,
+    about ``turn_interval / conversation_interval`` conversations' worth. The conversation
+    ids seen are kept, to rename repeats.
 
     Malformed input raises `TraceFormatError` naming the file and field; the "line" is the
     conversation's index in the list (0-based), and for invalid JSON the file's line.
@@ -525,22 +629,106 @@ def read_sharegpt(path: str | os.PathLike[str], tokenizer: Callable[[str], Any] 
             raise ConfigError(f"{label} must be a non-negative number, got {value!r}")
     if limit is not None and (not _is_int(limit) or limit < 0):
         raise ConfigError(f"limit must be None or a non-negative int, got {limit!r}")
+    return _iter_sharegpt(os.fspath(path), tokenizer, float(chars_per_token), vocab_size,
+                          block_size, conversation_interval, turn_interval, limit)
 
-    name = os.fspath(path)
-    with open(name, encoding="utf-8") as fh:
-        try:
-            data = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise TraceFormatError(f"not valid JSON ({exc.msg} at column {exc.colno}); "
-                                   "expected a JSON list of conversations", path=name,
-                                   line=exc.lineno) from None
-    if not isinstance(data, list):
-        raise TraceFormatError(f"expected a JSON list of conversations, got "
-                               f"{type(data).__name__}", path=name)
 
+def _json_array(path: str, chunk: int = 1 << 20) -> Iterator[Any]:
+    """The elements of the JSON list in ``path``, one at a time, reading ``chunk``
+    characters at a time. Invalid JSON is a `TraceFormatError` naming the file's line; a
+    file that is not a list is read whole, to say what it is."""
+    decoder = json.JSONDecoder()
+    space = " \t\n\r"
+    with open(path, encoding="utf-8") as fh:
+        buf = ""
+        pos = 0
+        eof = False
+        lines_before = 0  # newlines in the text dropped from the front of ``buf``
+        col_before = 0  # characters of the current line dropped with it
+
+        def more() -> bool:
+            nonlocal buf, pos, eof, lines_before, col_before
+            if eof:
+                return False
+            text = fh.read(chunk)
+            if not text:
+                eof = True
+                return False
+            nl = buf.rfind("\n", 0, pos)
+            lines_before += buf.count("\n", 0, pos)
+            col_before = pos - nl - 1 if nl >= 0 else col_before + pos
+            buf = buf[pos:] + text
+            pos = 0
+            return True
+
+        def error(msg: str, at: int) -> TraceFormatError:
+            line = lines_before + buf.count("\n", 0, at) + 1
+            nl = buf.rfind("\n", 0, at)
+            col = at - nl if nl >= 0 else col_before + at + 1
+            return TraceFormatError(f"not valid JSON ({msg} at column {col}); expected a "
+                                    "JSON list of conversations", path=path, line=line)
+
+        def skip() -> bool:
+            """Skip white space; False at the end of the file."""
+            nonlocal pos
+            while True:
+                while pos < len(buf) and buf[pos] in space:
+                    pos += 1
+                if pos < len(buf):
+                    return True
+                if not more():
+                    return False
+
+        if not skip() or buf[pos] != "[":
+            fh.seek(0)
+            try:
+                data = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise TraceFormatError(f"not valid JSON ({exc.msg} at column {exc.colno}); "
+                                       "expected a JSON list of conversations", path=path,
+                                       line=exc.lineno) from None
+            raise TraceFormatError(f"expected a JSON list of conversations, got "
+                                   f"{type(data).__name__}", path=path)
+        pos += 1
+        first = True
+        while True:
+            if not skip():
+                raise error("Expecting value", pos)
+            if buf[pos] == "]" and first:
+                pos += 1
+                break
+            if not first:
+                if buf[pos] == "]":
+                    pos += 1
+                    break
+                if buf[pos] != ",":
+                    raise error("Expecting ',' delimiter", pos)
+                pos += 1
+                if not skip():
+                    raise error("Expecting value", pos)
+            while True:
+                try:
+                    value, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError as exc:
+                    if more():
+                        continue
+                    raise error(exc.msg, exc.pos) from None
+                if end == len(buf) and more():  # a number may go on in the next chunk
+                    continue
+                break
+            pos = end
+            first = False
+            yield value
+        if skip():
+            raise error("Extra data", pos)
+
+
+def _iter_sharegpt(name: str, tokenizer: Callable[[str], Any] | None, chars_per_token: float,
+                   vocab_size: int, block_size: int, conversation_interval: float,
+                   turn_interval: float, limit: int | None) -> Iterator[Request]:
     def encode(text: str, where: int, field: str) -> np.ndarray:
         if tokenizer is None:
-            return synthetic_token_ids(text, float(chars_per_token), vocab_size)
+            return synthetic_token_ids(text, chars_per_token, vocab_size)
         ids = tokenizer(text)
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
@@ -550,9 +738,15 @@ def read_sharegpt(path: str | os.PathLike[str], tokenizer: Callable[[str], Any] 
                               f"{ids!r:.80}")
         return np.asarray(ids, dtype=np.int64)
 
-    out: list[tuple[float, int, Request]] = []
+    waiting: list[tuple[float, int, Request]] = []  # heap by (arrival, order made)
+    made = 0
     seen: set[str] = set()
-    for index, conv in enumerate(data if limit is None else data[:limit]):
+    for index, conv in enumerate(_json_array(name)):
+        if limit is not None and index >= limit:
+            break
+        start = round(index * conversation_interval, 6)
+        while waiting and waiting[0][0] <= start:  # nothing read later arrives before these
+            yield heapq.heappop(waiting)[2]
         if not isinstance(conv, dict):
             raise TraceFormatError(f"expected a conversation object, got "
                                    f"{type(conv).__name__}", path=name, line=index)
@@ -606,7 +800,8 @@ def read_sharegpt(path: str | os.PathLike[str], tokenizer: Callable[[str], Any] 
                                   output_len=len(ids), output_tokens=ids, turn=turn,
                                   block_kinds=block_kinds_from_spans(spans, pos, block_size),
                                   extra={"conversation": index})
-                    out.append((arrival, len(out), req))
+                    heapq.heappush(waiting, (arrival, made, req))
+                    made += 1
                 kind = "output"
             else:
                 kind = "prompt"
@@ -614,5 +809,83 @@ def read_sharegpt(path: str | os.PathLike[str], tokenizer: Callable[[str], Any] 
                 pieces.append(ids)
                 spans.append([pos, pos + len(ids), kind])
                 pos += len(ids)
-    out.sort(key=lambda t: (t[0], t[1]))
-    return [r for _, _, r in out]
+    while waiting:
+        yield heapq.heappop(waiting)[2]
+
+
+def read_sharegpt(path: str | os.PathLike[str], tokenizer: Callable[[str], Any] | None = None,
+                  chars_per_token: float = 4.0, *, vocab_size: int = 32000,
+                  block_size: int = 16, conversation_interval: float = 1.0,
+                  turn_interval: float = 60.0, limit: int | None = None) -> list[Request]:
+    """All requests of a ShareGPT-shaped conversation file, in arrival order (see
+    `iter_sharegpt`)."""
+    return list(iter_sharegpt(path, tokenizer, chars_per_token, vocab_size=vocab_size,
+                              block_size=block_size,
+                              conversation_interval=conversation_interval,
+                              turn_interval=turn_interval, limit=limit))
+
+
+# -- any format, re-readable ---------------------------------------------------------------
+
+#: The streaming reader of each trace format, by the name the command line uses.
+READERS: dict[str, Callable[..., Iterator[Request]]] = {
+    "jsonl": iter_jsonl,
+    "mooncake": iter_mooncake,
+    "alibaba": iter_alibaba,
+    "sharegpt": iter_sharegpt,
+}
+
+
+class TraceFile:
+    """A trace file that can be read as often as needed, one request at a time.
+
+    Each ``iter()`` opens the file afresh and streams it through the format's reader
+    (`READERS`), so a replay can go over it twice (Belady's first pass, then the replay)
+    without holding it in memory. Reader options are checked here, by building (not
+    running) one reader.
+
+    Args:
+        path: the file.
+        format: ``"jsonl"``, ``"mooncake"``, ``"alibaba"`` or ``"sharegpt"``.
+        arrival_order: make the reader check that arrivals never decrease (`iter_jsonl`,
+            `iter_alibaba`; the Mooncake format always requires it and the ShareGPT reader
+            sorts), so a replay on the arrival axis gets an error naming the line.
+        options: the reader's keyword arguments (``block_size=`` for Mooncake and Alibaba,
+            ``tokenizer=`` for ShareGPT, ...).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], format: str = "jsonl", *,
+                 arrival_order: bool = False, **options: Any) -> None:
+        if format not in READERS:
+            raise ConfigError(f"format must be one of {', '.join(READERS)}, got {format!r}")
+        self.path = os.fspath(path)
+        self.format = format
+        if arrival_order and format in ("jsonl", "alibaba"):
+            options["arrival_order"] = True
+        self.options = options
+        READERS[format](self.path, **options)  # checks the options; reads nothing
+
+    @property
+    def block_size(self) -> int | None:
+        """Tokens per listed block id when the format fixes it (Mooncake: the trace's own,
+        checked against a ``block_size`` option; Alibaba: the option, 16 by default); None
+        for token-mode formats."""
+        if self.format == "mooncake":
+            return check_block_size(self.path, self.options.get("block_size"))
+        if self.format == "alibaba":
+            return int(self.options.get("block_size", ALIBABA_BLOCK_SIZE))
+        return None
+
+    def __iter__(self) -> Iterator[Request]:
+        return READERS[self.format](self.path, **self.options)
+
+    def count(self) -> int:
+        """How many requests the file holds: its non-blank lines for the line formats (no
+        parsing), a full streamed read for ShareGPT."""
+        if self.format == "sharegpt":
+            return sum(1 for _ in self)
+        with open(self.path, "rb") as fh:
+            return sum(1 for line in fh if line.strip())
+
+    def __repr__(self) -> str:
+        return f"TraceFile({self.path!r}, {self.format!r})"

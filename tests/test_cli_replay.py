@@ -1,0 +1,286 @@
+"""``kvevict replay`` and ``kvevict export``: results identical to the library calls, every
+trace format, errors that name the flag, the progress bar, and the export round trip."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from kvevict.cli import main
+from kvevict.policies.registry import POLICIES
+from kvevict.replay import format_table, replay_table
+from kvevict.workloads import (
+    TraceFile,
+    bundled_trace_path,
+    generate,
+    read_jsonl,
+    read_mooncake,
+    trace_digest,
+    write_jsonl,
+    write_mooncake,
+)
+from kvevict.workloads.formats import read_alibaba, read_sharegpt
+
+HEAD = 600  # requests of the bundled trace the quick cases use
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """The first requests of the bundled Mooncake trace, as a Mooncake file."""
+    path = tmp_path_factory.mktemp("trace") / "head.jsonl"
+    write_mooncake(read_mooncake(bundled_trace_path())[:HEAD], path)
+    return path
+
+
+def run(capsys, argv):
+    rc = main(argv)
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    return captured
+
+
+def user_error(capsys, argv) -> str:
+    rc = main(argv)
+    captured = capsys.readouterr()
+    assert rc == 2, captured
+    message = captured.err.strip().splitlines()[-1]
+    assert "Traceback" not in captured.err
+    return message
+
+
+# -- kvevict replay -------------------------------------------------------------------------
+
+
+def test_replay_prints_the_library_table_and_writes_results_json(capsys, head, tmp_path):
+    out = tmp_path / "out"
+    captured = run(capsys, ["replay", "--trace", str(head), "--sizes", "300,900",
+                            "--policies", "lru,lfu,belady", "--out", str(out), "--quiet"])
+    table = replay_table(read_mooncake(head), ["lru", "lfu", "belady"], [300, 900])
+    lines = captured.out.splitlines()
+    assert lines[0] == f"trace {head} (mooncake): {HEAD:,} requests; blocks of 512 tokens; " \
+                       "time axis index"
+    assert "\n".join(lines[1:6]) == format_table(table)
+    assert lines[-1] == f"wrote results.json to {out}"
+    assert captured.err == ""  # --quiet
+    payload = json.loads((out / "results.json").read_text())
+    keys = ("policy", "capacity_blocks", "hits", "accesses", "token_hits", "evictions",
+            "rejected", "records")
+    assert [{k: r[k] for k in keys} for r in payload["results"]] == [
+        {k: r[k] for k in keys} for r in table.rows()]
+    assert payload["requests"] == HEAD and payload["block_size"] == 512
+    assert payload["command"] == (f"kvevict replay --trace {head} --sizes 300,900 --policies "
+                                  f"lru,lfu,belady --out {out} --quiet")
+
+
+def test_replay_default_is_the_bundled_trace_and_every_policy(capsys):
+    captured = run(capsys, ["replay", "--sizes", "2000", "--quiet", "--metric",
+                            "token_hit_ratio"])
+    rows = [line for line in captured.out.splitlines() if line.startswith("| ")][1:]
+    names = [row.split(" | ")[0][2:] for row in rows]
+    assert names[-1] == "belady" and {"lru", "lfu", "market"} <= set(names)
+    table = replay_table(read_mooncake(bundled_trace_path()), ["lru", "belady"], [2000])
+    assert f"| lru | {table.get('lru', 2000).token_hit_ratio:.4f} |" in captured.out
+    assert f"| belady | {table.get('belady', 2000).token_hit_ratio:.4f} |" in captured.out
+
+
+def test_replay_records_per_request(capsys, head, tmp_path):
+    run(capsys, ["replay", "--trace", str(head), "--sizes", "400", "--policies", "lru",
+                 "--records", "--out", str(tmp_path), "--quiet"])
+    (row,) = json.loads((tmp_path / "results.json").read_text())["results"]
+    records = row["records"]
+    assert len(records) == HEAD and records[0]["index"] == 0
+    assert sum(r["block_hits"] for r in records) == row["hits"]
+    assert sum(r["tokens"] for r in records) == row["token_queries"]
+    first = read_mooncake(head)[0]
+    assert records[0] == {"index": 0, "request_id": 0, "blocks": len(first.block_hashes),
+                          "block_hits": 0, "tokens": first.num_tokens, "token_hits": 0,
+                          "rejected": False}
+
+
+def test_replay_every_format_gives_the_library_numbers(capsys, tmp_path):
+    reqs = generate("chat", seed=2, duration=300)
+    jsonl = tmp_path / "t.jsonl"
+    write_jsonl(reqs, jsonl)
+    expected = replay_table(reqs, ["lru", "belady"], [64], 16)
+    out = run(capsys, ["replay", "--trace", str(jsonl), "--format", "jsonl", "--sizes", "64",
+                       "--policies", "lru,belady", "--quiet"]).out
+    assert format_table(expected) in out and "blocks of 16 tokens" in out
+    # Alibaba (16-token blocks by default) and ShareGPT (token mode)
+    alibaba = tmp_path / "a.jsonl"
+    alibaba.write_text("".join(json.dumps(
+        {"chat_id": i, "parent_chat_id": i - 1 if i % 3 else -1, "timestamp": float(i),
+         "input_length": 16 * (i % 3 + 1), "output_length": 4, "type": "text",
+         "turn": i % 3 + 1, "hash_ids": list(range(3 * (i // 3), 3 * (i // 3) + i % 3 + 1))})
+        + "\n" for i in range(30)))
+    out = run(capsys, ["replay", "--trace", str(alibaba), "--format", "alibaba", "--sizes",
+                       "8", "--policies", "lru", "--quiet"]).out
+    assert format_table(replay_table(read_alibaba(alibaba), ["lru"], [8], 16)) in out
+    share = tmp_path / "s.json"
+    share.write_text(json.dumps([{"id": f"c{i}", "conversations": [
+        {"from": "system", "value": "You are brief. " * 8},
+        {"from": "human", "value": f"question {i} " * 5},
+        {"from": "gpt", "value": "an answer " * 6},
+        {"from": "human", "value": "and then?"}, {"from": "gpt", "value": "done"}]}
+        for i in range(12)]))
+    out = run(capsys, ["replay", "--trace", str(share), "--format", "sharegpt", "--sizes",
+                       "20", "--policies", "lru", "--block-size", "8", "--quiet"]).out
+    expected = replay_table(read_sharegpt(share, block_size=8), ["lru"], [20], 8)
+    assert format_table(expected) in out and expected.get("lru", 20).hits > 0
+
+
+def test_replay_progress_bars_on_stderr(capsys, head):
+    err = run(capsys, ["replay", "--trace", str(head), "--sizes", "500", "--policies",
+                       "lru,belady"]).err.splitlines()
+    firsts = [line for line in err if "first pass (next uses)" in line]
+    replays = [line for line in err if "replay:" in line]
+    assert len(firsts) == len(replays) == 10  # a log (not a terminal): 10 lines per pass
+    assert firsts[-1].startswith("[########################] 10/10 first pass (next uses): "
+                                 f"{HEAD:,} requests")
+    assert replays[-1].startswith(f"[########################] 10/10 replay: {HEAD:,} requests")
+
+
+def test_replay_policy_module_round_trip(capsys, head, tmp_path, monkeypatch):
+    (tmp_path / "my_replay_policies.py").write_text(
+        "from kvevict.policies import ScoredPolicy, register_policy\n\n\n"
+        "@register_policy('deepest-first')\nclass DeepestFirst(ScoredPolicy):\n"
+        "    def score(self, block, now):\n        return -block.depth\n")
+    monkeypatch.chdir(tmp_path)
+    try:
+        message = user_error(capsys, ["replay", "--trace", str(head), "--policies",
+                                      "deepest-first", "--quiet"])
+        assert message.startswith("kvevict: error: unknown policy deepest-first; valid names:")
+        out = tmp_path / "o"
+        captured = run(capsys, ["replay", "--trace", str(head), "--sizes", "400",
+                                "--policies", "lru,deepest-first", "--policy-module",
+                                "my_replay_policies", "--out", str(out), "--quiet"])
+        table = replay_table(read_mooncake(head), ["lru", "deepest-first"], [400])
+        assert format_table(table) in captured.out
+        payload = json.loads((out / "results.json").read_text())
+        assert payload["policy_modules"] == {
+            "my_replay_policies": str(tmp_path / "my_replay_policies.py")}
+        assert payload["command"].startswith(f"PYTHONPATH={tmp_path} kvevict replay ")
+    finally:
+        sys.modules.pop("my_replay_policies", None)
+        if "deepest-first" in POLICIES:
+            POLICIES.unregister("deepest-first")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--sizes", "0"], "kvevict: error: --sizes must hold positive ints (pool sizes in "
+                       "blocks), got 0"),
+    (["--sizes", "100,100"], "kvevict: error: --sizes gives a size twice: 100,100"),
+    (["--block-size", "0"], "kvevict: error: --block-size (tokens per block) must be a "
+                            "positive int, got 0"),
+    (["--block-size", "100"], "kvevict: error: --block-size 100 does not match the trace"),
+    (["--policies", "lru,lru"], "kvevict: error: --policies lists lru twice (lru,lru)"),
+    (["--trace", "nowhere.jsonl"], "kvevict: error: --trace must be a bundled trace "
+                                   "(mooncake) or a Mooncake .jsonl file; 'nowhere.jsonl' is "
+                                   "neither"),
+    (["--trace", "mooncake", "--format", "jsonl"], "kvevict: error: --trace must be a jsonl "
+                                                   "trace file; 'mooncake' is not a file"),
+    (["--workdir", "/no/such/dir"], "kvevict: error: --workdir /no/such/dir is not a "
+                                    "directory"),
+])
+def test_replay_errors_name_the_flag(capsys, argv, expected):
+    message = user_error(capsys, ["replay", "--quiet", *argv])
+    assert message.startswith(expected), message
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--sizes", "x"], "kvevict replay: error: argument --sizes: expected comma-separated "
+                       "integers, got 'x'"),
+    (["--format", "csv"], "kvevict replay: error: argument --format: invalid choice: 'csv'"),
+    (["--time", "wall"], "kvevict replay: error: argument --time: invalid choice: 'wall'"),
+])
+def test_replay_parse_errors_name_the_flag(capsys, argv, expected):
+    with pytest.raises(SystemExit) as info:
+        main(["replay", *argv])
+    assert info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith(expected), message
+
+
+def test_replay_on_the_arrival_axis_needs_arrival_order(capsys, tmp_path):
+    reqs = generate("chat", seed=0, duration=120)
+    path = tmp_path / "shuffled.jsonl"
+    write_jsonl([reqs[1], reqs[0], *reqs[2:]], path)
+    message = user_error(capsys, ["replay", "--trace", str(path), "--format", "jsonl",
+                                  "--time", "arrival", "--sizes", "64", "--policies", "lru",
+                                  "--quiet"])
+    assert message.startswith(f"kvevict: error: {path}:2: field 'arrival': ")
+    assert "expected requests in arrival order" in message
+    run(capsys, ["replay", "--trace", str(path), "--format", "jsonl", "--sizes", "64",
+                 "--policies", "lru", "--quiet"])  # the index axis does not care
+
+
+# -- kvevict export -------------------------------------------------------------------------
+
+
+def test_export_writes_the_generated_trace(capsys, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    out = run(capsys, ["export", "--workload", "agent", "--seed", "4", "--duration", "300",
+                       "--out", str(path)]).out
+    reqs = generate("agent", seed=4, duration=300)
+    assert out.strip() == (f"wrote {len(reqs):,} requests of agent (seed 4, scale 1, 300 s) to "
+                           f"{path} (kvevict JSONL)")
+    assert trace_digest(read_jsonl(path)) == trace_digest(reqs)
+    mooncake = tmp_path / "trace.mooncake.jsonl"
+    run(capsys, ["export", "--workload", "agent", "--seed", "4", "--duration", "300",
+                 "--format", "mooncake", "--out", str(mooncake), "--quiet"])
+    back = read_mooncake(mooncake)  # 16-token ids, declared on every line
+    assert TraceFile(mooncake, "mooncake").block_size == 16
+    assert [r.num_tokens for r in back] == [r.prompt_len for r in reqs]
+    assert replay_table(back, ["lru"], [256], 16).get("lru", 256).hits == \
+        replay_table(reqs, ["lru"], [256], 16).get("lru", 256).hits
+
+
+def test_export_round_trip_simulate_gives_the_same_results(capsys, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    run(capsys, ["export", "--workload", "chat", "--seed", "5", "--duration", "240",
+                 "--scale", "2", "--out", str(path), "--quiet"])
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    # one seed: a trace file is one sample (where simulate repeats seeds, --seeds 1)
+    seeds = ["--seeds", "1"] if "--seeds" in capsys.readouterr().out else []
+    common = ["--policies", "lru,belady", "--cache-blocks", "300", "--no-sweep", "--quiet"]
+    run(capsys, ["simulate", "--workload", "chat", "--seed", "5", "--duration", "240",
+                 "--scale", "2", "--out", str(tmp_path / "gen"), *seeds, *common])
+    run(capsys, ["simulate", "--trace", str(path), "--out", str(tmp_path / "file"), *common])
+    gen = json.loads((tmp_path / "gen" / "results.json").read_text())
+    file = json.loads((tmp_path / "file" / "results.json").read_text())
+    key = "cells" if "cells" in gen else "results"  # results.json's layout of the version
+
+    def rows(payload):  # the generator's seed is not part of a trace file
+        return [{k: v for k, v in row.items() if k != "seed"} for row in payload[key]]
+
+    assert rows(gen) and rows(gen) == rows(file)
+    assert len(rows(gen)) == 2 and gen["capacity_blocks"] == file["capacity_blocks"] == 300
+    assert sorted(r["policy"] for r in rows(gen)) == ["belady", "lru"]
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--workload", "nope"], "kvevict: error: unknown workload 'nope'; valid workloads:"),
+    (["--block-size", "8"], "kvevict: error: --block-size applies to --format mooncake only"),
+    (["--format", "mooncake", "--block-size", "0"], "kvevict: error: --block-size (tokens "
+                                                    "per block) must be a positive int"),
+    (["--seed", "-1"], "kvevict: error: --seed (the generator seed) must be a non-negative "
+                       "int, got -1"),
+    (["--duration", "0"], "kvevict: error: --duration (seconds of generated trace) must be a "
+                          "positive finite number, got 0.0"),
+])
+def test_export_errors_name_the_flag(capsys, tmp_path, argv, expected):
+    message = user_error(capsys, ["export", "--out", str(tmp_path / "t.jsonl"), *argv])
+    assert message.startswith(expected), message
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_export_out_must_be_a_file_in_an_existing_directory(capsys, tmp_path):
+    message = user_error(capsys, ["export", "--out", str(tmp_path)])
+    assert message == f"kvevict: error: --out {tmp_path} is a directory; give the trace " \
+                      "file's path"
+    missing = tmp_path / "no" / "t.jsonl"
+    message = user_error(capsys, ["export", "--out", str(missing)])
+    assert message == f"kvevict: error: --out {missing}: the directory {missing.parent} " \
+                      "does not exist"
