@@ -366,13 +366,24 @@ class KVEvictCachePolicy(CachePolicy):
             self._call("on_evict", record, key)
 
     def clear(self) -> None:
+        """Drop every chunk. A policy given by name or factory is built afresh (it forgets
+        what it learned, as vLLM's ARC does); a policy instance is told ``on_evict`` for
+        every chunk instead."""
+        records, idle = self.records, self.idle
+        instance = isinstance(self.config.policy, Policy)
+        if instance and self.policy is not None:
+            for key in list(records):
+                self._call("on_evict", records[key], key)
+                if self.policy is None:
+                    break
         self.chunks.clear()
-        self.records.clear()
-        self.idle.clear()
+        records.clear()
+        idle.clear()
         self.key_of.clear()
         self._placed.clear()
         self._tick = 0
-        self._start_policy()  # kvevict policies have no reset: a fresh one forgets all
+        if not instance:  # a quarantined instance stays quarantined
+            self._start_policy()
 
     def mark_evictable(self, key: OffloadKey) -> None:
         self.idle[key] = None
