@@ -111,6 +111,10 @@ def _load_text(load: Mapping[str, Any]) -> str:
     scale = load.get("rate_scale")
     if isinstance(scale, (int, float)):
         parts.append(f"rate scale {scale:g}")
+    measured = load.get("measured_load")
+    if isinstance(measured, (int, float)):
+        parts.append(f"measured load {measured:.2f} (busy seconds per second of arrivals, the "
+                     "worst online policy)")
     if parts:
         return ", ".join(parts)
     return "marked unstable" if load.get("stable") is False else "ρ not given"
@@ -118,8 +122,13 @@ def _load_text(load: Mapping[str, Any]) -> str:
 
 def _unstable_note(load: Mapping[str, Any] | None) -> str:
     rho = None if load is None else load.get("rho")
-    what = f"offered load ρ = {rho:.2f} ≥ 1" if isinstance(rho, (int, float)) and rho >= 1 \
-        else "the offered load is marked unstable"
+    measured = None if load is None else load.get("measured_load")
+    if isinstance(rho, (int, float)) and rho >= 1:
+        what = f"offered load ρ = {rho:.2f} ≥ 1"
+    elif isinstance(measured, (int, float)) and measured >= 1:
+        what = f"measured load {measured:.2f} ≥ 1 (this cache's misses overload the box)"
+    else:
+        what = "the offered load is marked unstable"
     return (f"{UNSTABLE_MARK} {what}: the queue grows without bound; these latencies are not "
             "steady state")
 
@@ -655,6 +664,13 @@ def decision_record(cells: Sequence[Mapping[str, Any]], *, workload: str, model:
               "interval of its paired per-seed difference from LRU excludes 0 in its favour; "
               f"here: {verdict}. See `kvevict.report.choose_policy`.", "",
               explain_choice(choice), ""]
+    if choice.metric != "token_hit_ratio" and len(seeds) > 1 and all(
+            "token_hit_ratio" in c for c in cells):
+        # what the choice moves besides the decision's metric: the hit ratio, same rule
+        hits = choose_policy(cells, load={"stable": True}, metric="token_hit_ratio",
+                             capacity_blocks=choice.capacity_blocks, confidence=confidence)
+        lines += ["What the choice moves in the cache, by the same paired rule:", "",
+                  explain_choice(hits), ""]
     conf = f"{confidence:.0%}"
     over = (f"mean ± {conf} CI over {len(seeds)} seeds" if len(seeds) > 1
             else "1 seed: no interval")

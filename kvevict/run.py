@@ -232,6 +232,9 @@ class SimResult:
     #: prefill tokens an infinite cache would still compute (misses, and one token of a
     #: fully cached prompt for its logits): what no policy can avoid
     infinite_compute_tokens: int
+    #: seconds the executor was busy, and the span from the first to the last arrival
+    busy_seconds: float = 0.0
+    arrival_span: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers (JSON-ready, rounded for stable output).
@@ -271,6 +274,10 @@ class SimResult:
             if self.makespan > 0 else 0.0,
             "requests_per_s": round(len(recs) / self.makespan, 6) if self.makespan > 0
             else 0.0,
+            # the measured load: busy seconds per second of arrivals; at >= 1 the box could
+            # not keep up with this policy's misses, and the queue grew through the run
+            "measured_load": round(self.busy_seconds / self.arrival_span, 6)
+            if self.arrival_span > 0 else 0.0,
             "evictions": stats["evictions"],
             "evictions_by_class": dict(sorted(stats["evictions_by_class"].items())),
             "preemptions": self.preemptions,
@@ -377,6 +384,8 @@ def collect(scheduler: Scheduler, ordered: SequenceABC[Request], clock: ManualCl
         preemptions=scheduler.preemptions, steps=scheduler.steps,
         makespan=clock.now - ordered[0].arrival,
         infinite_hit_tokens=sum(inf_hits),
+        busy_seconds=scheduler.busy_seconds,
+        arrival_span=ordered[-1].arrival - ordered[0].arrival,
         infinite_compute_tokens=sum(max(r.prompt_len - h, 1)  # >= 1: the last token's
                                     for r, h in zip(ordered, inf_hits, strict=True)),  # logits
     )

@@ -298,6 +298,8 @@ class Scheduler:
         self.running: list[RequestState] = []
         self.finished: list[RequestState] = []
         self.steps = 0
+        #: seconds the executor spent on steps (the run's busy time)
+        self.busy_seconds = 0.0
         self.preemptions = 0
         self._retry_at: float | None = None
         # why the untouched part of the waiting queue waits since the last pass ("memory" or
@@ -517,6 +519,7 @@ class Scheduler:
             return plan
         out = self.executor.execute(plan, self.manager)
         self.steps += 1
+        self.busy_seconds += out.seconds
         self.complete(plan, out)
         return plan
 

@@ -354,11 +354,28 @@ def simulate_command(args: argparse.Namespace) -> int:
     main_cells = [r for r in timed if r["capacity_blocks"] == capacity]
     headroom = _headroom(replays, capacity)
 
+    # the offered load is a lower bound (it prices only an infinite cache's misses); the
+    # measured one prices each policy's own misses: either >= 1 makes the run unstable
+    measured = max(sum(c["measured_load"] for c in main_cells if c["policy"] == p)
+                   / sum(1 for c in main_cells if c["policy"] == p)
+                   for p in policies if not is_offline(p))
+    load_info["measured_load"] = round(measured, 6)
+    if load.stable and measured >= 1:
+        load_info["stable"] = False
+        print(f"warning: measured load {measured:.2f} >= 1 at {capacity:,} blocks (the offered "
+              f"{load.rho:.2f} prices only an infinite cache's misses): this cache's misses "
+              "overload the box, the queue grows without bound and the latencies are not "
+              "steady state; no decision is made on latencies")
     print(report.format_table(main_cells, load=load_info))
     print()
     print(report.format_class_table(main_cells, load=load_info))
     choice = report.choose_policy(main_cells, load=load_info)
     print(f"\nchosen: {choice.policy} ({choice.reason})")
+    if len(seeds) > 1:
+        print(report.explain_choice(choice))
+        if choice.metric != "token_hit_ratio":
+            print(report.explain_choice(report.choose_policy(
+                main_cells, load={"stable": True}, metric="token_hit_ratio")))
     if args.out is not None:
         out: Path = args.out
         out.mkdir(parents=True, exist_ok=True)
