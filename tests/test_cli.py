@@ -230,8 +230,8 @@ def test_mooncake_trace_slice_uses_512_token_blocks(capsys, tmp_path):
     trace.write_text("".join(lines))
     out = tmp_path / "out"
     rc = main(["simulate", "--trace", str(trace), "--format", "mooncake", "--policies",
-               "lru,belady", "--gpu", "h100-sxm-80gb", "--cache-blocks", "800", "--no-sweep", "--out", str(out),
-               "--quiet"])
+               "lru,belady", "--gpu", "h100-sxm-80gb", "--cache-blocks", "800", "--no-sweep",
+               "--out", str(out), "--quiet"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "200 requests" in captured.out

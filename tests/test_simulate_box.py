@@ -127,3 +127,24 @@ def test_bad_values_name_the_flag(capsys, argv, flag):
 def test_seeds_do_not_apply_to_a_trace(capsys):
     message = error(capsys, [*MOONCAKE, "--seeds", "3", "--cache-blocks", "800"])
     assert "a trace file is one sample" in message
+
+
+def test_the_main_job_default_cells_golden():
+    """Two cells of the default run (chat-steady, one L4, Llama-3-8B, 32 sequences, seed 0,
+    the box's 2,097 blocks), built as `kvevict simulate` builds them."""
+    from kvevict.box import Box, gpu_profile, kv_cache_bytes
+    from kvevict.layout import preset
+    from kvevict.scheduler import SchedulerConfig
+    from kvevict.study import Cell, Source, Study, run_cell
+
+    layout = preset("llama-3-8b")
+    box = Box(gpu_profile("l4-24gb"))
+    config = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=32)
+    capacity = kv_cache_bytes(box, layout, max_num_batched_tokens=2048,
+                              max_num_seqs=32).blocks(16)
+    assert capacity == 2097
+    study = Study(Source(workload="chat-steady"), layout, 16, box.cost_model(layout), config)
+    lru = run_cell(study, Cell("lru", capacity, 0))
+    lfu = run_cell(study, Cell("lfu", capacity, 0))
+    assert (lru["requests"], lru["token_hit_ratio"], lru["ttft_p95"]) == (596, 0.512721, 0.849045)
+    assert (lfu["requests"], lfu["token_hit_ratio"], lfu["ttft_p95"]) == (596, 0.491179, 0.849594)
