@@ -114,12 +114,14 @@ def test_simulate_rejects_another_block_size(capsys, head, declared):
 
 def test_simulate_uses_the_trace_block_size(capsys, declared):
     rc = main(["simulate", "--trace", str(declared), "--format", "mooncake", "--policies",
-               "lru", "--cache-blocks", "20000", "--no-sweep", "--quiet"])
+               "lru", "--cache-blocks", "20000", "--gpu", "h100-sxm-80gb",
+               "--no-sweep", "--quiet"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "20,000 blocks of 16 tokens" in captured.out
     rc = main(["simulate", "--trace", str(declared), "--format", "mooncake", "--block-size",
-               "16", "--policies", "lru", "--cache-blocks", "20000", "--no-sweep", "--quiet"])
+               "16", "--policies", "lru", "--cache-blocks", "20000", "--gpu", "h100-sxm-80gb",
+               "--no-sweep", "--quiet"])
     assert rc == 0, capsys.readouterr().err
 
 
