@@ -188,8 +188,8 @@ def replicates(runs: Sequence[Mapping[str, Any]]) -> tuple[str, list[dict[str, A
       holding the mean of each numeric metric over that seed's repeats (nested dicts key by
       key; other values kept when equal). The repeats of one workload share its requests,
       so they are not independent samples of the workload population; their means are (the
-      usual treatment of replications within a design point: Law and Kelton, *Simulation
-      Modeling and Analysis*, 3rd ed., §9.4).
+      interval is over independent replications: Law and Kelton, *Simulation Modeling and
+      Analysis*, 3rd ed., §9.4.1).
 
     Every cell also holds ``"workload_seed"`` and ``"repeats"`` (the runs it stands for).
 
