@@ -391,7 +391,7 @@ def _worse(d: Interval, higher: bool) -> bool:
 def choose_policy(cells: Sequence[Mapping[str, Any]], *, load: Mapping[str, Any] | None = None,
                   capacity_blocks: int | None = None, metric: str = "ttft_p95",
                   unstable_metric: str = "recomputed_prefill_tokens", baseline: str = "lru",
-                  confidence: float = 0.95) -> Choice:
+                  confidence: float = 0.95, replicate: str = "seed") -> Choice:
     """The online policy to run, chosen against LRU (the serving engines' default) by the
     paired per-seed difference. The rule, exactly (``docs/statistics.md`` states the same):
 
@@ -414,6 +414,8 @@ def choose_policy(cells: Sequence[Mapping[str, Any]], *, load: Mapping[str, Any]
        so no policy can be shown better: LRU is kept and the reason says to run more seeds.
 
     ``capacity_blocks`` is the cache size to decide at (needed when the cells hold several).
+    ``replicate`` names what a cell's ``"seed"`` stands for in the reason's words (``"seed"``;
+    ``kvevict engine-bench`` pairs repeated runs of one workload: ``"repeat"``).
 
     Raises:
         ConfigError: no online policy, no LRU cells, several sizes and no ``capacity_blocks``,
@@ -457,11 +459,13 @@ def choose_policy(cells: Sequence[Mapping[str, Any]], *, load: Mapping[str, Any]
     sign = -1.0 if higher else 1.0  # smaller key = better mean difference
     best = min(comparisons, key=lambda pc: (sign * pc[1].mean, pc[0]))
     conf = f"{confidence:.0%}"
+    per, many = f"per-{replicate}", f"{seeds} {replicate}s"
     if seeds < 2:
         return choice(baseline, (
-            f"1 seed: the interval is unknown, so no significance can be claimed and no policy "
-            f"can be shown better than {baseline.upper()}: keep {baseline.upper()} (the "
-            f"simplest); run more seeds (e.g. --seeds 5). Best point estimate of {name}: "
+            f"1 {replicate}: the interval is unknown, so no significance can be claimed and no "
+            f"policy can be shown better than {baseline.upper()}: keep {baseline.upper()} (the "
+            f"simplest); run more {replicate}s (e.g. --{replicate}s 5). Best point estimate "
+            f"of {name}: "
             f"{best[0]} - {baseline} = {best[1].mean:{spec}}{unit}"), False, best[1], best[0])
     better = [(p, d) for p, d in comparisons if _better(d, higher)]
     if better:
@@ -470,31 +474,31 @@ def choose_policy(cells: Sequence[Mapping[str, Any]], *, load: Mapping[str, Any]
                   f"{baseline}") if len(better) > 1 else ""
         direction = ("raises" if higher else "lowers")
         return choice(p, (
-            f"{p} {direction} {name} against {baseline}: paired per-seed difference "
-            f"{d:{spec}}{unit} over {seeds} seeds, whose {conf} interval excludes 0"
+            f"{p} {direction} {name} against {baseline}: paired {per} difference "
+            f"{d:{spec}}{unit} over {many}, whose {conf} interval excludes 0"
             f"{others}"), True, d, p)
     worse = [p for p, d in comparisons if _worse(d, higher)]
     head = (f"no policy is significantly better than {baseline.upper()}"
             if worse else "no significant difference")
     return choice(baseline, (
         f"{head}: keep {baseline.upper()} (the simplest); no policy's {name} advantage over "
-        f"{baseline} is beyond the {conf} interval of the paired per-seed difference over "
-        f"{seeds} seeds (best: {best[0]} - {baseline} = {best[1]:{spec}}{unit})"), False,
+        f"{baseline} is beyond the {conf} interval of the paired {per} difference over "
+        f"{many} (best: {best[0]} - {baseline} = {best[1]:{spec}}{unit})"), False,
         best[1], best[0])
 
 
-def explain_choice(choice: Choice, baseline: str = "lru") -> str:
+def explain_choice(choice: Choice, baseline: str = "lru", replicate: str = "seed") -> str:
     """Every compared policy's paired difference against LRU, one line each, with its verdict
     (better, worse, no significant difference, or unknown with one seed): the evidence behind
-    ``choice.reason``."""
+    ``choice.reason``. ``replicate`` as in `choose_policy`."""
     name, spec, unit = _metric_text(choice.metric)
     higher = _higher_is_better(choice.metric)
-    lines = [f"{name}, paired per-seed difference against {baseline} "
-             f"({choice.seeds} seed{'s' if choice.seeds != 1 else ''}, "
+    lines = [f"{name}, paired per-{replicate} difference against {baseline} "
+             f"({choice.seeds} {replicate}{'s' if choice.seeds != 1 else ''}, "
              f"{choice.capacity_blocks:,} blocks):"]
     for p, d in choice.comparisons:
         if not d.known:
-            verdict = "unknown (1 seed)"
+            verdict = f"unknown (1 {replicate})"
         elif _better(d, higher):
             verdict = "better"
         elif _worse(d, higher):

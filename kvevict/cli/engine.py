@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ def add_parsers(sub: Any) -> None:
                      help="context lengths of the timed decode steps (default 64,512,2048)")
     cal.add_argument("--repeats", type=int, default=3,
                      help="timed calls per point; the median counts (default 3)")
+    timer_arg(cal)
     cal.add_argument("--out", type=Path, default=Path("calibration.json"),
                      help="JSON file to write (default %(default)s)")
     cal.add_argument("--quiet", action="store_true", help="no progress output")
@@ -52,6 +54,12 @@ def add_parsers(sub: Any) -> None:
     generator_args(eb)
     eb.add_argument("--requests", type=int, default=120,
                     help="run the first N requests by arrival (default %(default)s)")
+    eb.add_argument("--repeats", dest="run_repeats", type=int, default=3,
+                    help="engine runs per policy (and seed); every metric is reported as "
+                         "mean ± 95%% CI over them (default %(default)s)")
+    eb.add_argument("--seeds", type=int, default=1,
+                    help="workload seeds, from --seed on; with 2 or more the interval is "
+                         "over the seeds, each seed's repeats averaged (default %(default)s)")
     eb.add_argument("--policies", default="lru,market",
                     help="comma-separated policy names (default: %(default)s)")
     policy_module_arg(eb)
@@ -71,6 +79,7 @@ def add_parsers(sub: Any) -> None:
                     help="first requests reported as the cold start (default %(default)s)")
     eb.add_argument("--check", action="store_true",
                     help="check the cache's invariants after every engine step (slow)")
+    timer_arg(eb)
     engine_model_args(eb)
     eb.add_argument("--out", type=Path,
                     help="write results.json, answers.json (and calibration.json) here")
@@ -103,6 +112,22 @@ def engine_model_args(parser: argparse.ArgumentParser) -> None:
                         "and on a shared box spinning threads slow each other)")
 
 
+def timer_arg(parser: argparse.ArgumentParser) -> None:
+    """``--timer``: the clock engine steps (and calibration calls) are timed by."""
+    parser.add_argument("--timer", choices=("wall", "cpu"), default="wall",
+                        help="wall: wall-clock seconds (what a user waits); cpu: the engine "
+                             "thread's CPU seconds, other processes on a shared machine left "
+                             "out (needs --threads 1 on a CPU device; default %(default)s)")
+
+
+def check_timer(args: argparse.Namespace) -> None:
+    """``--timer cpu`` counts one thread's CPU time: one torch thread, on the CPU."""
+    if args.timer == "cpu" and (args.threads != 1 or args.device not in ("auto", "cpu")):
+        raise ConfigError(f"--timer cpu measures the engine thread's CPU time, which counts "
+                          f"all the work only with --threads 1 on --device cpu; got --threads "
+                          f"{args.threads} --device {args.device}")
+
+
 def engine_model(args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
     """Build the engine's model from the flags; time the load and a first (cold) forward."""
     import torch
@@ -115,7 +140,8 @@ def engine_model(args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
     torch.set_num_threads(args.threads)
     device = args.device
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        cpu_only = getattr(args, "timer", "wall") == "cpu"
+        device = "cuda" if torch.cuda.is_available() and not cpu_only else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
@@ -155,9 +181,11 @@ def calibrate_command(args: argparse.Namespace) -> int:
         DEFAULT_PREFILL_LENGTHS,
         calibrate,
     )
+    from kvevict.engine_bench import TIMERS
 
     if args.out.exists() and args.out.is_dir():
         raise ConfigError(f"--out {args.out} is a directory; give a file name")
+    check_timer(args)
     model, startup = engine_model(args)
     say = sayer(args)
     cal = calibrate(
@@ -166,8 +194,9 @@ def calibrate_command(args: argparse.Namespace) -> int:
         cached_lengths=args.cached_lengths or list(DEFAULT_CACHED_LENGTHS),
         decode_batches=args.decode_batches or list(DEFAULT_DECODE_BATCHES),
         decode_contexts=args.decode_contexts or list(DEFAULT_DECODE_CONTEXTS),
-        repeats=args.repeats, progress=say)
+        repeats=args.repeats, progress=say, timer=TIMERS[args.timer])
     cal.engine.update(startup)
+    cal.engine["timer"] = args.timer
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cal.save(args.out)
     e = cal.engine
@@ -192,6 +221,11 @@ def engine_bench_command(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policies, args.policy_module)
     if args.requests < 1:
         raise ConfigError(f"--requests must be a positive int, got {args.requests}")
+    if args.run_repeats < 1:
+        raise ConfigError(f"--repeats (engine runs per policy) must be a positive int, got "
+                          f"{args.run_repeats}")
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds (workload seeds) must be a positive int, got {args.seeds}")
     if args.block_size < 1:
         raise ConfigError(f"--block-size must be a positive int, got {args.block_size}")
     if args.cold_requests < 0:
@@ -203,42 +237,54 @@ def engine_bench_command(args: argparse.Namespace) -> int:
                           f"got {args.time_scale}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ConfigError(f"--out {args.out} exists and is not a directory")
+    check_timer(args)
     cost = None
     if args.cost_model is not None:
         cost = CostModel.load(args.cost_model)
+        timed_by = _calibration_timer(args.cost_model)
+        if timed_by is not None and timed_by != args.timer:
+            print(f"note: {args.cost_model} was calibrated with --timer {timed_by}, the runs "
+                  f"use --timer {args.timer}: the prediction prices one clock, the runs "
+                  "measure another", file=sys.stderr)
     config = SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens,
                              max_num_seqs=args.max_seqs, preemption=args.preemption)
     kwargs: dict[str, Any] = {"vocab_size": args.vocab, "block_size": args.block_size}
     if args.duration is not None:
         kwargs["duration"] = args.duration
-    requests = workloads.generate(args.workload, seed=args.seed, scale=args.scale, **kwargs)
-    if len(requests) < args.requests:
-        raise ConfigError(f"workload {args.workload} (seed {args.seed}, scale {args.scale}) "
-                          f"has only {len(requests)} requests; lower --requests or raise "
-                          "--duration / --scale")
-    requests = requests[:args.requests]
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    by_seed = {}
+    for seed in seeds:
+        requests = workloads.generate(args.workload, seed=seed, scale=args.scale, **kwargs)
+        if len(requests) < args.requests:
+            raise ConfigError(f"workload {args.workload} (seed {seed}, scale {args.scale}) "
+                              f"has only {len(requests)} requests; lower --requests or raise "
+                              "--duration / --scale")
+        by_seed[seed] = requests[:args.requests]
     say = sayer(args)
     say(f"building the engine model ({args.layers} layers, hidden {args.hidden})")
     model, startup = engine_model(args)
-    result = run_bench(requests, model, policies, block_size=args.block_size,
-                       capacity_blocks=args.cache_blocks, time_scale=args.time_scale,
-                       target_load=args.load, config=config, cost=cost,
-                       cold_requests=args.cold_requests, check=args.check, progress=say)
+    result = run_bench(by_seed, model, policies, repeats=args.run_repeats,
+                       block_size=args.block_size, capacity_blocks=args.cache_blocks,
+                       time_scale=args.time_scale, target_load=args.load, config=config,
+                       cost=cost, cold_requests=args.cold_requests, timer=args.timer,
+                       check=args.check, progress=say)
     result["model"].update(startup)
     if args.cost_model is not None:
         result["calibration"]["path"] = str(args.cost_model)
     result["command"] = recorded_command(args)
     if args.policy_module:
         result["policy_modules"] = policy_module_files(args)
-    result["workload"].update({"name": args.workload, "seed": args.seed, "scale": args.scale})
-    print(format_report(result, f"{args.workload} (seed {args.seed}, scale {args.scale:g})"))
+    result["workload"].update({"name": args.workload, "scale": args.scale})
+    seeds_text = (f"seed {args.seed}" if args.seeds == 1
+                  else f"seeds {seeds[0]}-{seeds[-1]}")
+    print(format_report(result, f"{args.workload} ({seeds_text}, scale {args.scale:g})"))
     if args.out is not None:
         out: Path = args.out
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(
             json.dumps(strip_answers(result), indent=2, sort_keys=True, default=str) + "\n")
         (out / "answers.json").write_text(
-            json.dumps(result["answers_by_policy"], sort_keys=True) + "\n")
+            json.dumps(result["answers_by_seed"], sort_keys=True) + "\n")
         written = ["results.json", "answers.json"]
         cal = result["calibration"]
         if "cost_model" in cal:  # calibrated now: save it for --cost-model next time
@@ -249,3 +295,16 @@ def engine_bench_command(args: argparse.Namespace) -> int:
         print(f"wrote {', '.join(written)} to {out}")
     return 0 if result["lossless"] else 1
 
+
+def _calibration_timer(path: Path) -> str | None:
+    """The ``--timer`` a calibration file was measured with, when it says (``None`` for a
+    file from before the option, or a bare cost model)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    engine = data.get("engine")
+    timer = data.get("timer") or (engine.get("timer") if isinstance(engine, dict) else None)
+    return timer if isinstance(timer, str) else None

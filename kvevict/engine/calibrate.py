@@ -19,7 +19,9 @@ engine run (fidelity), the cost model must describe *this* engine on *this* mach
   rule that predicts these points better.
 
 Each point is the median of ``repeats`` timed calls after one untimed warm-up call (the
-median, not the minimum: a shared machine's typical speed is what a run will see). The fit
+median, not the minimum: a shared machine's typical speed is what a run will see), timed by
+``timer`` (`time.perf_counter` by default; an engine run timed by another clock, such as the
+thread's CPU time, is calibrated with the same one). The fit
 minimises *relative* error (each equation is divided by its measured time), so short and
 long calls count alike; every coefficient is kept >= 0 by trying each subset of free
 coefficients and keeping the best non-negative solution (exact for three unknowns).
@@ -37,7 +39,7 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,17 +158,18 @@ def _check_lengths(name: str, values: Any, minimum: int) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
-def _timed(fn: Any, repeats: int, cuda: bool) -> float:
+def _timed(fn: Any, repeats: int, cuda: bool,
+           timer: Callable[[], float] = time.perf_counter) -> float:
     fn()  # warm-up: allocations and kernel selection for this shape
     times = []
     for _ in range(repeats):
         if cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = timer()
         fn()
         if cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        times.append(timer() - t0)
     return statistics.median(times)
 
 
@@ -175,10 +178,12 @@ def calibrate(model: LlamaModel, *, block_size: int = 16,
               cached_lengths: Sequence[int] = DEFAULT_CACHED_LENGTHS,
               decode_batches: Sequence[int] = DEFAULT_DECODE_BATCHES,
               decode_contexts: Sequence[int] = DEFAULT_DECODE_CONTEXTS,
-              repeats: int = 3, progress: Any = None) -> Calibration:
+              repeats: int = 3, progress: Any = None,
+              timer: Callable[[], float] = time.perf_counter) -> Calibration:
     """Time ``model`` at every grid point and fit a `CostModel` (see the module docstring).
 
-    ``progress`` (optional) is called with a short label before each grid point.
+    ``progress`` (optional) is called with a short label before each grid point; ``timer``
+    returns seconds (the clock the timed calls are measured with).
     """
     if not isinstance(model, LlamaModel):
         raise ConfigError(f"model must be a LlamaModel, got {type(model).__name__}")
@@ -186,6 +191,8 @@ def calibrate(model: LlamaModel, *, block_size: int = 16,
         raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"repeats must be an int >= 1, got {repeats!r}")
+    if not callable(timer):
+        raise ConfigError("timer must be a callable returning seconds")
     prefill_lengths = _check_lengths("prefill_lengths", prefill_lengths, 1)
     cached_lengths = _check_lengths("cached_lengths", cached_lengths, 0)
     decode_batches = _check_lengths("decode_batches", decode_batches, 1)
@@ -211,7 +218,7 @@ def calibrate(model: LlamaModel, *, block_size: int = 16,
         if progress is not None:
             progress(f"prefill {n} after {c}")
         entry = [(ids[c:c + n], c, table)]
-        s = _timed(lambda e=entry: model.forward_paged(pool, e), repeats, cuda)
+        s = _timed(lambda e=entry: model.forward_paged(pool, e), repeats, cuda, timer)
         prefill_points.append((n, c, s))
     decode_points = []
     mixed_points = []
@@ -223,7 +230,7 @@ def calibrate(model: LlamaModel, *, block_size: int = 16,
             progress(f"decode batch {b}: one at context {hi_ctx}, the rest at {lo_ctx}")
         ctxs = [hi_ctx] + [lo_ctx] * (b - 1)
         entries = [(ids[c:c + 1], c, [*table[:c // bs], extra[j]]) for j, c in enumerate(ctxs)]
-        s = _timed(lambda e=entries: model.forward_paged(pool, e), repeats, cuda)
+        s = _timed(lambda e=entries: model.forward_paged(pool, e), repeats, cuda, timer)
         mixed_points.append((ctxs, s))
     for b, ctx in itertools.product(decode_batches, decode_contexts):
         if progress is not None:
@@ -232,7 +239,7 @@ def calibrate(model: LlamaModel, *, block_size: int = 16,
         # last block (one writer per block per call)
         head = ctx // bs
         entries = [(ids[ctx:ctx + 1], ctx, [*table[:head], extra[j]]) for j in range(b)]
-        s = _timed(lambda e=entries: model.forward_paged(pool, e), repeats, cuda)
+        s = _timed(lambda e=entries: model.forward_paged(pool, e), repeats, cuda, timer)
         decode_points.append((b, ctx, s))
     overhead, linear, attn = fit_prefill(prefill_points)
     step, per_seq, per_ctx = fit_decode(decode_points)
