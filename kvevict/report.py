@@ -923,7 +923,8 @@ def ttft_cdf_figure(ttfts: Mapping[str, Sequence[float] | Mapping[Any, Sequence[
             half = (t_quantile(1 - (1 - confidence) / 2, n - 1) * cdfs.std(axis=0, ddof=1)
                     / math.sqrt(n))
             ax.fill_between(grid, np.clip(mean - half, 0, 1), np.clip(mean + half, 0, 1),
-                            color=style["color"], alpha=0.15, linewidth=0, zorder=2)
+                            color=style["color"], alpha=min(0.15, max(0.04, 0.3 / m)),
+                            linewidth=0, zorder=2)
     ax.set_xscale("symlog", linthresh=0.01)
     ax.set_ylim(0, 1.02)
     note = ("markers staggered so\ncoinciding lines stay visible\n"

@@ -337,7 +337,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     if unstable_message:
         print(f"warning: {unstable_message}; no decision is made on latencies")
 
-    cells = [Cell(p, c, s, records=(c == capacity and (args.records or s == seeds[0])))
+    cells = [Cell(p, c, s, records=c == capacity)  # the TTFT CDF: every seed, with its band
              for c in [capacity, *sweep_caps] for s in seeds for p in policies]
     cells += [Cell(p, c, s, mode="replay") for s in seeds
               for p, c in [(p, c) for c in [capacity, *sweep_caps] for p in ("lru", "belady")]
@@ -422,8 +422,8 @@ def simulate_command(args: argparse.Namespace) -> int:
                                       f"{workload}: hit ratio vs cache size")
                 written.append("hit_ratio.png")
             report.plot_ttft_cdf(
-                {p: {s: [rec["ttft"] for rec in recs]} for (p, s), recs in records.items()
-                 if s == seeds[0]},
+                {p: {s: [rec["ttft"] for rec in recs] for (q, s), recs in records.items()
+                     if q == p} for p in dict.fromkeys(p for p, _ in records)},
                 out / "ttft_cdf.png", f"{workload}: TTFT at {capacity:,} blocks")
             written.append("ttft_cdf.png")
             lru_replays, exact = _headroom_plot(replays)
