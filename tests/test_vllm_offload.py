@@ -253,28 +253,25 @@ def test_protected_and_loading_chunks_are_never_evicted(v):
 
 @vllm_only
 def test_reused_and_insertion_only_keys(v):
-    """on_request_finished: hits for reused keys only, head first; releases tail first."""
+    """on_request_finished: hits for reused keys only, head first; releases tail first; an
+    idle chunk is offered once its request finishes, or before a victim is chosen."""
     policy = Recorder()
-    manager, adapter, clock = build(v, 8, policy)
+    manager, adapter, clock = build(v, 3, policy)
     run(v, manager, [1, 2], "a")
     ids = {i: adapter.chunks[key(v, i)].chunk_id for i in (1, 2)}
     assert policy.log == [("on_insert", ids[1]), ("on_insert", ids[2]),
-                          ("on_candidate", ids[1]), ("on_candidate", ids[2]),
-                          # a's finish: release stamps tail first, each re-offered
-                          ("on_uncandidate", ids[2]), ("on_candidate", ids[2]),
-                          ("on_uncandidate", ids[1]), ("on_candidate", ids[1])]
+                          # a's finish: release stamps tail first, each offered once
+                          ("on_candidate", ids[2]), ("on_candidate", ids[1])]
     policy.log.clear()
     clock.set(1.0)
     run(v, manager, [1, 2, 3], "b")  # reuses 1 and 2, inserts 3
     ids[3] = adapter.chunks[key(v, 3)].chunk_id
     assert policy.log == [
         ("on_uncandidate", ids[1]), ("on_uncandidate", ids[2]),  # the load
-        ("on_candidate", ids[1]), ("on_candidate", ids[2]),  # the load completes
-        ("on_insert", ids[3]), ("on_candidate", ids[3]),  # the store
-        ("on_uncandidate", ids[1]), ("on_hit", ids[1]),  # b's finish: hits, head first
-        ("on_uncandidate", ids[2]), ("on_hit", ids[2]),
-        ("on_uncandidate", ids[3]), ("on_candidate", ids[3]),  # releases, tail first
-        ("on_candidate", ids[2]), ("on_candidate", ids[1]),
+        ("on_insert", ids[3]),  # the store (the loaded chunks wait for b's finish)
+        ("on_hit", ids[1]), ("on_hit", ids[2]),  # b's finish: hits, head first
+        ("on_candidate", ids[3]), ("on_candidate", ids[2]),  # releases, tail first
+        ("on_candidate", ids[1]),
     ]
     records = {i: adapter.records[key(v, i)] for i in (1, 2, 3)}
     assert [r.hit_count for r in records.values()] == [1, 1, 0]
@@ -282,6 +279,19 @@ def test_reused_and_insertion_only_keys(v):
     assert records[1].last_access == 1.0
     assert records[3].last_access_tick < records[2].last_access_tick \
         < records[1].last_access_tick
+    adapter.check()
+    policy.log.clear()
+    clock.set(2.0)
+    run(v, manager, [1, 4], "c")  # reuses 1; storing 4 evicts the least recent, 3
+    ids[4] = adapter.chunks[key(v, 4)].chunk_id
+    assert policy.log == [
+        ("on_uncandidate", ids[1]),  # the load
+        ("on_candidate", ids[1]),  # loaded, idle: offered before the victim is chosen
+        ("on_evict", ids[3]), ("on_insert", ids[4]),
+        ("on_uncandidate", ids[1]), ("on_hit", ids[1]),  # c's finish
+        ("on_candidate", ids[4]), ("on_candidate", ids[1]),
+    ]
+    assert key(v, 3) not in adapter.records and adapter.records[key(v, 1)].hit_count == 2
     adapter.check()
 
 

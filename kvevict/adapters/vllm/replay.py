@@ -183,14 +183,15 @@ def replay_offload(requests: Iterable[Request], policy: str, capacity_chunks: in
     clock = ManualClock()
     manager, adapter = make_manager(policy, capacity_chunks, chunk_tokens=chunk_tokens,
                                     params=params, clock=clock)
+    # the keys laid out before the clock starts: the timer sees the manager and its policy
+    # (and the connector's per-request calls), not the trace's conversion to vLLM keys
+    stream = [(float(req.arrival) if time == "arrival" else float(i), str(req.request_id),
+               offload_keys(req)) for i, req in enumerate(reqs)]
     start = _time.perf_counter()
     accesses = hits = skipped = evictions = 0
-    arrival = time == "arrival"
-    for i, req in enumerate(reqs):
-        clock.set(float(req.arrival) if arrival else float(i))
-        keys = offload_keys(req)
-        found, evicted = drive_request(manager, keys, ReqContext(str(req.request_id)),
-                                       chunk_tokens)
+    for i, (t, req_id, keys) in enumerate(stream):
+        clock.set(t)
+        found, evicted = drive_request(manager, keys, ReqContext(req_id), chunk_tokens)
         accesses += len(keys)
         hits += found
         if evicted is None:
