@@ -292,6 +292,9 @@ class KVEvictCachePolicy(CachePolicy):
         self.clock = config.clock
         self.chunk_tokens = config.chunk_tokens
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
+        # vLLM's manager calls get() on every lookup, load and store: the dict's own method
+        # (the class's `get` says the same, for readers and for vLLM's abstract base)
+        self.get = self.chunks.get  # type: ignore[method-assign]
         self.records: dict[OffloadKey, BlockInfo] = {}
         # idle chunks in the order they last became idle (the quarantine's eviction order)
         self.idle: dict[OffloadKey, None] = {}
@@ -404,8 +407,13 @@ class KVEvictCachePolicy(CachePolicy):
         del self.idle[key]
         if key in self.pending:  # never offered: nothing to withdraw
             del self.pending[key]
-        elif self.policy is not None:
-            self._call("on_uncandidate", self.records[key], key)
+            return
+        policy = self.policy
+        if policy is not None:
+            try:
+                policy.on_uncandidate(self.records[key], self.clock())
+            except Exception as exc:
+                self._quarantine("on_uncandidate", key, exc)
 
     def flush(self) -> None:
         """Offer the policy every `pending` idle chunk (``on_candidate``, in the order they
