@@ -8,18 +8,27 @@ kvevict `Policy` events (``kvevict.policies.base``):
 
 | vLLM call | kvevict events |
 |---|---|
-| ``insert(key, chunk)`` (a store began) | ``on_insert``; ``on_candidate`` if already idle |
-| ``mark_evictable`` (a store or the last load finished) | ``on_candidate`` |
-| ``mark_non_evictable`` (a load began) | ``on_uncandidate`` |
-| ``on_request_finished`` (reused keys) | ``on_uncandidate`` if idle, ``on_hit``, head first |
+| ``insert(key, chunk)`` (a store began) | ``on_insert`` |
+| ``mark_evictable`` (a store or the last load finished) | none yet: the chunk is *pending* |
+| ``mark_non_evictable`` (a load began) | ``on_uncandidate`` (none if pending) |
+| ``on_request_finished`` (reused keys) | ``on_uncandidate`` if offered, ``on_hit``, head first |
 | ``on_request_finished`` (every key) | release stamps, tail first; ``on_candidate`` if idle |
 | ``touch(keys)`` | as a reuse of ``keys`` |
-| ``evict(n, protected)`` | ``victim`` / ``on_evict`` until ``n`` (a protected victim: set aside) |
+| ``evict(n, protected)`` | pending ones ``on_candidate``; ``victim`` / ``on_evict`` until ``n`` |
 | ``remove(key)`` (a store failed) | ``on_evict`` |
 | ``clear()`` | a fresh policy |
 
-A *candidate* is an idle chunk (``ref_cnt == 0``): the offload tier is a flat cache, with no
-prefix tree, so every idle chunk may go, not only leaves. Stamps follow `KVCacheManager`'s:
+Per-request batching: a chunk that becomes idle (its store or load done) is offered to the
+policy once, with its final stamp, when its request finishes, and not also when it became
+idle; a victim is never chosen before every idle chunk is offered (`flush`, at the top of
+``evict``). The policy sees the events kvevict's own manager sends for the same request:
+``on_insert`` + one ``on_candidate`` per stored chunk, ``on_uncandidate`` + ``on_hit`` +
+``on_candidate`` per hit. A protected victim is set aside (``on_uncandidate``) and offered
+back after.
+
+Whenever a victim is chosen, the candidates are exactly the idle chunks (``ref_cnt == 0``):
+the offload tier is a flat cache, with no prefix tree, so every idle chunk may go, not only
+leaves. Stamps follow `KVCacheManager`'s:
 one access counter (``last_access_tick``) for creation, hits and releases, so kvevict's
 ``lru`` orders chunks exactly as vLLM's built-in ``LRUCachePolicy`` ranks them.
 
@@ -268,6 +277,8 @@ class KVEvictCachePolicy(CachePolicy):
         policy: the kvevict policy (None once quarantined).
         policy_error: the `PolicyError` that quarantined it, or None.
         evictions: chunks evicted; fallback_evictions: of those, chosen without the policy.
+        idle: the idle chunks' keys, in the order they last became idle.
+        pending: of those, the ones not yet offered to the policy (`flush` offers them).
     """
 
     def __init__(self, cache_capacity: int, config: OffloadConfig | None = None) -> None:
