@@ -284,3 +284,17 @@ def test_export_out_must_be_a_file_in_an_existing_directory(capsys, tmp_path):
     message = user_error(capsys, ["export", "--out", str(missing)])
     assert message == f"kvevict: error: --out {missing}: the directory {missing.parent} " \
                       "does not exist"
+
+
+def test_replay_engine_vllm_offload_without_vllm_is_one_clear_line():
+    """Where vLLM is absent (the main suite's venv; hidden here so the case runs anywhere)."""
+    import subprocess
+
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "from kvevict.cli import main\n"
+            "sys.exit(main(['replay', '--engine', 'vllm-offload', '--sizes', '100']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        'kvevict: error: --engine vllm-offload: kvevict.adapters.vllm needs vLLM: pip install '
+        '"kvevict[vllm]" (on a CPU-only machine: pip install torch==2.13.0 first)']

@@ -253,28 +253,25 @@ def test_protected_and_loading_chunks_are_never_evicted(v):
 
 @vllm_only
 def test_reused_and_insertion_only_keys(v):
-    """on_request_finished: hits for reused keys only, head first; releases tail first."""
+    """on_request_finished: hits for reused keys only, head first; releases tail first; an
+    idle chunk is offered once its request finishes, or before a victim is chosen."""
     policy = Recorder()
-    manager, adapter, clock = build(v, 8, policy)
+    manager, adapter, clock = build(v, 3, policy)
     run(v, manager, [1, 2], "a")
     ids = {i: adapter.chunks[key(v, i)].chunk_id for i in (1, 2)}
     assert policy.log == [("on_insert", ids[1]), ("on_insert", ids[2]),
-                          ("on_candidate", ids[1]), ("on_candidate", ids[2]),
-                          # a's finish: release stamps tail first, each re-offered
-                          ("on_uncandidate", ids[2]), ("on_candidate", ids[2]),
-                          ("on_uncandidate", ids[1]), ("on_candidate", ids[1])]
+                          # a's finish: release stamps tail first, each offered once
+                          ("on_candidate", ids[2]), ("on_candidate", ids[1])]
     policy.log.clear()
     clock.set(1.0)
     run(v, manager, [1, 2, 3], "b")  # reuses 1 and 2, inserts 3
     ids[3] = adapter.chunks[key(v, 3)].chunk_id
     assert policy.log == [
         ("on_uncandidate", ids[1]), ("on_uncandidate", ids[2]),  # the load
-        ("on_candidate", ids[1]), ("on_candidate", ids[2]),  # the load completes
-        ("on_insert", ids[3]), ("on_candidate", ids[3]),  # the store
-        ("on_uncandidate", ids[1]), ("on_hit", ids[1]),  # b's finish: hits, head first
-        ("on_uncandidate", ids[2]), ("on_hit", ids[2]),
-        ("on_uncandidate", ids[3]), ("on_candidate", ids[3]),  # releases, tail first
-        ("on_candidate", ids[2]), ("on_candidate", ids[1]),
+        ("on_insert", ids[3]),  # the store (the loaded chunks wait for b's finish)
+        ("on_hit", ids[1]), ("on_hit", ids[2]),  # b's finish: hits, head first
+        ("on_candidate", ids[3]), ("on_candidate", ids[2]),  # releases, tail first
+        ("on_candidate", ids[1]),
     ]
     records = {i: adapter.records[key(v, i)] for i in (1, 2, 3)}
     assert [r.hit_count for r in records.values()] == [1, 1, 0]
@@ -282,6 +279,19 @@ def test_reused_and_insertion_only_keys(v):
     assert records[1].last_access == 1.0
     assert records[3].last_access_tick < records[2].last_access_tick \
         < records[1].last_access_tick
+    adapter.check()
+    policy.log.clear()
+    clock.set(2.0)
+    run(v, manager, [1, 4], "c")  # reuses 1; storing 4 evicts the least recent, 3
+    ids[4] = adapter.chunks[key(v, 4)].chunk_id
+    assert policy.log == [
+        ("on_uncandidate", ids[1]),  # the load
+        ("on_candidate", ids[1]),  # loaded, idle: offered before the victim is chosen
+        ("on_evict", ids[3]), ("on_insert", ids[4]),
+        ("on_uncandidate", ids[1]), ("on_hit", ids[1]),  # c's finish
+        ("on_candidate", ids[4]), ("on_candidate", ids[1]),
+    ]
+    assert key(v, 3) not in adapter.records and adapter.records[key(v, 1)].hit_count == 2
     adapter.check()
 
 
@@ -420,7 +430,94 @@ def test_offload_requests_keep_full_chunks_only(v):
             Request(1, block_hashes=(1,), num_tokens=300)]
     cut = v.replay.offload_requests(reqs, 512)
     assert [(r.block_hashes, r.num_tokens) for r in cut] == [((1, 2), 1024)]
-    with pytest.raises(ConfigError, match="token mode"):
-        v.replay.offload_requests([Request(2, tokens=[1, 2, 3])], 512)
+    # token mode: the chained hashes of the full chunks; a request with none is dropped
+    tok = v.replay.offload_requests([Request(2, tokens=[1, 2, 3, 4, 5])], 2)
+    assert [(len(r.block_hashes), r.num_tokens) for r in tok] == [(2, 4)]
+    assert v.replay.offload_requests([Request(3, tokens=[1, 2, 3])], 512) == []
     with pytest.raises(ConfigError, match="unknown vLLM policy"):
         v.replay.make_manager("vllm:fifo", 10)
+
+
+# -- kvevict replay --engine vllm-offload ------------------------------------------------------
+
+
+@vllm_only
+def test_cli_engine_vllm_offload_equals_the_library_call(v, tmp_path, capsys):
+    import json
+
+    from kvevict.cli import main
+    from kvevict.replay import format_table
+    from kvevict.workloads import bundled_trace_path, read_mooncake, write_mooncake
+
+    head = tmp_path / "head.jsonl"
+    write_mooncake(read_mooncake(bundled_trace_path("mooncake"))[:600], head)
+    out = tmp_path / "out"
+    policies, sizes = ["vllm:lru", "lru", "market", "vllm:arc"], [200, 800]
+    rc = main(["replay", "--engine", "vllm-offload", "--trace", str(head), "--sizes", "200,800",
+               "--policies", ",".join(policies), "--out", str(out), "--quiet"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    lib = v.replay.replay_offload_table(read_mooncake(head), policies, sizes)
+    for policy in policies:  # the table is the cells replay_offload gives one by one
+        for size in sizes:
+            one = v.replay.replay_offload(read_mooncake(head), policy, size)
+            got = lib.get(policy, size)
+            assert (got.hits, got.accesses, got.evictions, got.rejected) == (
+                one.hits, one.accesses, one.evictions, one.rejected)
+    lines = captured.out.splitlines()
+    cut = len(v.replay.offload_requests(read_mooncake(head), 512))
+    assert lines[0] == (f"trace {head} (mooncake): {cut:,} requests; offload chunks of 512 "
+                        "tokens; time axis index; vLLM's CPUOffloadingManager")
+    assert "\n".join(lines[1:7]) == format_table(lib)
+    assert lib.get("lru", 800).hits == lib.get("vllm:lru", 800).hits
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["engine"] == "vllm-offload" and payload["vllm_version"].startswith("0.32")
+    keys = ("policy", "capacity_blocks", "hits", "accesses", "evictions", "rejected")
+    assert [{k: r[k] for k in keys} for r in payload["results"]] == [
+        {k: r[k] for k in keys} for r in lib.rows()]
+
+
+@vllm_only
+def test_cli_engine_vllm_offload_token_mode_and_arrival_clock(v, tmp_path, capsys):
+    from kvevict.cli import main
+    from kvevict.hashing import block_hashes
+    from kvevict.workloads import generate, read_jsonl, write_jsonl
+
+    path = tmp_path / "chat.jsonl"
+    write_jsonl(generate("chat", seed=2, duration=300), path)
+    reqs = read_jsonl(path)
+    cut = v.replay.offload_requests(reqs, 16)
+    # token mode: the chained hashes kvevict gives the same full blocks
+    assert cut[0].block_hashes == tuple(block_hashes(reqs[0].tokens, 16))
+    rc = main(["replay", "--engine", "vllm-offload", "--trace", str(path), "--format", "jsonl",
+               "--sizes", "64,256", "--policies", "lru,market", "--time", "arrival",
+               "--metric", "hits", "--quiet"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    rows = [line for line in captured.out.splitlines() if line.startswith("| ")][1:]
+    got = {row.split(" | ")[0][2:]: row for row in rows}
+    for policy in ("lru", "market"):
+        cells = [v.replay.replay_offload(reqs, policy, s, chunk_tokens=16,
+                                         time="arrival").hits for s in (64, 256)]
+        assert got[policy] == f"| {policy} | {cells[0]:,} | {cells[1]:,} |"
+    assert v.replay.replay_offload(reqs, "lru", 64, chunk_tokens=16).hits > 0
+
+
+@vllm_only
+def test_cli_engine_vllm_offload_errors(v, capsys):
+    from kvevict.cli import main
+
+    def error(argv):
+        assert main(argv) == 2
+        return capsys.readouterr().err.strip()
+
+    base = ["replay", "--engine", "vllm-offload", "--sizes", "100", "--quiet"]
+    assert "belady is offline" in error(base + ["--policies", "lru,belady"])
+    assert error(base + ["--policies", "vllm:fifo"]).startswith(
+        "kvevict: error: unknown policy vllm:fifo; valid names with --engine vllm-offload: "
+        "vllm:lru, vllm:arc, ")
+    assert "--records is for --engine kvevict" in error(base + ["--records"])
+    with pytest.raises(ConfigError, match="twice"):
+        v.replay.replay_offload_table([], ["lru", "lru"], [10])
+    with pytest.raises(ConfigError, match="time must be"):
+        v.replay.replay_offload([], "lru", 10, time="wall")

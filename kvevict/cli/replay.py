@@ -5,6 +5,12 @@ with ``--out DIR`` writes ``results.json``.
 The trace streams (`kvevict.workloads.TraceFile`): memory follows the cache, not the
 trace, and ``belady`` reads its future from a next-use file written by a first pass (see
 `kvevict.policies.belady.NextUseFile`). A progress bar per pass goes to stderr.
+
+``--engine vllm-offload`` replays the same trace through vLLM's real ``CPUOffloadingManager``
+instead (`kvevict.adapters.vllm.replay.replay_offload_table`: no model, no GPU), with vLLM's
+own policies (``vllm:lru``, ``vllm:arc``) or any online kvevict policy through the adapter;
+``--sizes`` are then offload chunks of ``--block-size`` tokens. It needs vLLM installed
+(docs/vllm.md); without it the command stops with one line naming the install command.
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ from kvevict.cli.common import (
 )
 from kvevict.errors import ConfigError
 
-__all__ = ["DEFAULT_SIZES", "add_parser", "replay_command"]
+__all__ = ["DEFAULT_SIZES", "ENGINES", "add_parser", "replay_command"]
 
 DEFAULT_SIZES = (1000, 2000, 5000, 10000, 20000)
 METRICS = ("block_hit_ratio", "token_hit_ratio", "evictions", "hits")
+#: ``--engine``: kvevict's own block manager, or vLLM's real offload-tier manager.
+ENGINES = ("kvevict", "vllm-offload")
 #: Updates of each pass's progress bar (on a terminal; a log gets one line per update, so
 #: `LOG_STEPS` of them).
 BAR_STEPS = 40
@@ -49,9 +57,14 @@ def add_parser(sub: Any) -> None:
     rep.add_argument("--sizes", type=int_list, default=list(DEFAULT_SIZES),
                      help="comma-separated pool sizes in blocks (default: "
                           f"{','.join(map(str, DEFAULT_SIZES))})")
+    rep.add_argument("--engine", choices=ENGINES, default="kvevict",
+                     help="whose bookkeeping replays the trace: kvevict's block manager (the "
+                          "default) or vLLM's real CPUOffloadingManager (needs vLLM; sizes "
+                          "in offload chunks)")
     rep.add_argument("--policies", default=None,
                      help="comma-separated policy names (default: every registered one, "
-                          "the offline ones last)")
+                          "the offline ones last; with --engine vllm-offload: vllm:lru, "
+                          "vllm:arc and every registered online one)")
     policy_module_arg(rep)
     rep.add_argument("--block-size", type=int, default=None,
                      help="tokens per block: a Mooncake trace's own (512 unless the file says "
@@ -107,6 +120,48 @@ def _policies(args: argparse.Namespace) -> list[str]:
     return online_first(available_policies())
 
 
+def _vllm_replay():
+    """`replay_offload_table` and `VLLM_POLICIES`, or a `ConfigError` naming the install
+    command when vLLM is absent (or not a supported version)."""
+    from kvevict.adapters.vllm import vllm_version
+
+    try:
+        vllm_version()
+    except ImportError as exc:
+        raise ConfigError(f"--engine vllm-offload: {exc}") from None
+    from kvevict.adapters.vllm.replay import VLLM_POLICIES, replay_offload_table
+
+    return replay_offload_table, VLLM_POLICIES
+
+
+def _offload_policies(args: argparse.Namespace, vllm_policies: tuple[str, ...]) -> list[str]:
+    """``--policies`` for ``--engine vllm-offload``: vLLM's own names or online kvevict ones
+    (default: vLLM's, then every registered online kvevict policy)."""
+    from kvevict.cli.common import csv_list
+    from kvevict.policies import available_policies
+    from kvevict.policies.registry import is_offline, load_entry_point_policies
+
+    load_entry_point_policies()
+    import_policy_modules(args.policy_module)
+    online = [p for p in available_policies() if not is_offline(p)]
+    if args.policies is None:
+        return list(vllm_policies) + online
+    names = csv_list(args.policies)
+    offline = [p for p in names if p in available_policies() and is_offline(p)]
+    if offline:
+        raise ConfigError(f"--engine vllm-offload takes online policies; {offline[0]} is "
+                          "offline (it needs the future)")
+    unknown = [p for p in names if p not in online and p not in vllm_policies]
+    if unknown or not names:
+        raise ConfigError(f"unknown policy {', '.join(unknown) or '(none given)'}; valid "
+                          f"names with --engine vllm-offload: "
+                          f"{', '.join(list(vllm_policies) + online)}")
+    from kvevict.policies.registry import check_distinct
+
+    check_distinct(names, "--policies")
+    return names
+
+
 def replay_command(args: argparse.Namespace) -> int:
     from kvevict.replay import format_table, open_trace, replay_table
 
@@ -123,17 +178,39 @@ def replay_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {args.out} exists and is not a directory")
     if args.workdir is not None and not args.workdir.is_dir():
         raise ConfigError(f"--workdir {args.workdir} is not a directory")
-    policies = _policies(args)
+    engine = getattr(args, "engine", "kvevict")
+    if engine == "vllm-offload":
+        if args.records:
+            raise ConfigError("--records is for --engine kvevict; the vllm-offload replay "
+                              "keeps no per-request records")
+        if args.workdir is not None:
+            raise ConfigError("--workdir holds belady's next-use files, for --engine "
+                              "kvevict; --engine vllm-offload runs online policies only")
+        run_table, vllm_policies = _vllm_replay()
+        policies = _offload_policies(args, vllm_policies)
+    else:
+        policies = _policies(args)
     trace, block_size = open_trace(args.trace, args.format, block_size=args.block_size,
                                    time=args.time)
-    total = 0 if args.quiet else trace.count()
-    table = replay_table(trace, policies, sizes, block_size, time=args.time,
-                         records=args.records,
-                         progress=None if args.quiet else _Bars(total, args.quiet),
-                         workdir=args.workdir)
+    if engine == "vllm-offload":
+        def cell_done(policy: str, size: int) -> None:
+            if not args.quiet:
+                print(f"vllm-offload: {policy} at {size:,} chunks done", file=sys.stderr)
+
+        table = run_table(trace, policies, sizes, block_size, time=args.time,
+                          progress=cell_done)
+        unit = "offload chunks"
+    else:
+        total = 0 if args.quiet else trace.count()
+        table = replay_table(trace, policies, sizes, block_size, time=args.time,
+                             records=args.records,
+                             progress=None if args.quiet else _Bars(total, args.quiet),
+                             workdir=args.workdir)
+        unit = "blocks"
     requests = table.results[0].requests if table.results else 0
-    print(f"trace {args.trace} ({args.format}): {requests:,} requests; blocks of "
-          f"{block_size} tokens; time axis {args.time}")
+    print(f"trace {args.trace} ({args.format}): {requests:,} requests; {unit} of "
+          f"{block_size} tokens; time axis {args.time}"
+          + ("; vLLM's CPUOffloadingManager" if engine == "vllm-offload" else ""))
     print(format_table(table, args.metric))
     if args.out is not None:
         out: Path = args.out
@@ -141,8 +218,12 @@ def replay_command(args: argparse.Namespace) -> int:
         payload: dict[str, Any] = {
             "trace": str(args.trace), "format": args.format, "block_size": block_size,
             "time": args.time, "requests": requests, "sizes": sizes, "policies": policies,
-            "results": table.rows(), "command": recorded_command(args),
+            "results": table.rows(), "command": recorded_command(args), "engine": engine,
         }
+        if engine == "vllm-offload":
+            from kvevict.adapters.vllm import vllm_version
+
+            payload["vllm_version"] = vllm_version()
         if args.policy_module:
             payload["policy_modules"] = policy_module_files(args)
         (out / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")

@@ -8,18 +8,27 @@ kvevict `Policy` events (``kvevict.policies.base``):
 
 | vLLM call | kvevict events |
 |---|---|
-| ``insert(key, chunk)`` (a store began) | ``on_insert``; ``on_candidate`` if already idle |
-| ``mark_evictable`` (a store or the last load finished) | ``on_candidate`` |
-| ``mark_non_evictable`` (a load began) | ``on_uncandidate`` |
-| ``on_request_finished`` (reused keys) | ``on_uncandidate`` if idle, ``on_hit``, head first |
+| ``insert(key, chunk)`` (a store began) | ``on_insert`` |
+| ``mark_evictable`` (a store or the last load finished) | none yet: the chunk is *pending* |
+| ``mark_non_evictable`` (a load began) | ``on_uncandidate`` (none if pending) |
+| ``on_request_finished`` (reused keys) | ``on_uncandidate`` if offered, ``on_hit``, head first |
 | ``on_request_finished`` (every key) | release stamps, tail first; ``on_candidate`` if idle |
 | ``touch(keys)`` | as a reuse of ``keys`` |
-| ``evict(n, protected)`` | ``victim`` / ``on_evict`` until ``n`` (a protected victim: set aside) |
+| ``evict(n, protected)`` | pending ones ``on_candidate``; ``victim`` / ``on_evict`` until ``n`` |
 | ``remove(key)`` (a store failed) | ``on_evict`` |
 | ``clear()`` | a fresh policy |
 
-A *candidate* is an idle chunk (``ref_cnt == 0``): the offload tier is a flat cache, with no
-prefix tree, so every idle chunk may go, not only leaves. Stamps follow `KVCacheManager`'s:
+Per-request batching: a chunk that becomes idle (its store or load done) is offered to the
+policy once, with its final stamp, when its request finishes, and not also when it became
+idle; a victim is never chosen before every idle chunk is offered (`flush`, at the top of
+``evict``). The policy sees the events kvevict's own manager sends for the same request:
+``on_insert`` + one ``on_candidate`` per stored chunk, ``on_uncandidate`` + ``on_hit`` +
+``on_candidate`` per hit. A protected victim is set aside (``on_uncandidate``) and offered
+back after.
+
+Whenever a victim is chosen, the candidates are exactly the idle chunks (``ref_cnt == 0``):
+the offload tier is a flat cache, with no prefix tree, so every idle chunk may go, not only
+leaves. Stamps follow `KVCacheManager`'s:
 one access counter (``last_access_tick``) for creation, hits and releases, so kvevict's
 ``lru`` orders chunks exactly as vLLM's built-in ``LRUCachePolicy`` ranks them.
 
@@ -253,6 +262,7 @@ class RequestInfo:
 
 
 _DEFAULT_INFO = RequestInfo()
+_NO_PLACE = (0, _DEFAULT_INFO)
 
 
 class KVEvictCachePolicy(CachePolicy):
@@ -267,6 +277,8 @@ class KVEvictCachePolicy(CachePolicy):
         policy: the kvevict policy (None once quarantined).
         policy_error: the `PolicyError` that quarantined it, or None.
         evictions: chunks evicted; fallback_evictions: of those, chosen without the policy.
+        idle: the idle chunks' keys, in the order they last became idle.
+        pending: of those, the ones not yet offered to the policy (`flush` offers them).
     """
 
     def __init__(self, cache_capacity: int, config: OffloadConfig | None = None) -> None:
@@ -291,9 +303,14 @@ class KVEvictCachePolicy(CachePolicy):
         self.clock = config.clock
         self.chunk_tokens = config.chunk_tokens
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
+        # vLLM's manager calls get() on every lookup, load and store: the dict's own method
+        # (the class's `get` says the same, for readers and for vLLM's abstract base)
+        self.get = self.chunks.get  # type: ignore[method-assign]
         self.records: dict[OffloadKey, BlockInfo] = {}
         # idle chunks in the order they last became idle (the quarantine's eviction order)
         self.idle: dict[OffloadKey, None] = {}
+        # idle chunks not yet offered to the policy (see `flush`)
+        self.pending: dict[OffloadKey, None] = {}
         self.key_of: dict[int, OffloadKey] = {}  # record block id (chunk id) -> key
         # where a store miss said a key sits: key -> (depth, request info)
         self._placed: dict[OffloadKey, tuple[int, RequestInfo]] = {}
@@ -342,7 +359,7 @@ class KVEvictCachePolicy(CachePolicy):
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
         now = self.clock()
-        depth, info = self._placed.get(key, (0, _DEFAULT_INFO))
+        depth, info = self._placed.get(key, _NO_PLACE)
         self._tick += 1
         # no parent: the offload tier is flat (a chunk's prefix may be elsewhere or gone)
         record = BlockInfo(chunk.chunk_id, key, None, depth, None, self.config.chunk_bytes,
@@ -351,8 +368,12 @@ class KVEvictCachePolicy(CachePolicy):
         self.chunks[key] = chunk
         self.records[key] = record
         self.key_of[chunk.chunk_id] = key
-        if self.policy is not None:
-            self._call("on_insert", record, key)
+        policy = self.policy
+        if policy is not None:
+            try:
+                policy.on_insert(record, now)
+            except Exception as exc:
+                self._quarantine("on_insert", key, exc)
         if chunk.ref_cnt == 0:
             self.mark_evictable(key)
 
@@ -362,6 +383,7 @@ class KVEvictCachePolicy(CachePolicy):
         self.key_of.pop(record.block_id, None)
         self._placed.pop(key, None)
         self.idle.pop(key, None)
+        self.pending.pop(key, None)
         if self.policy is not None:
             self._call("on_evict", record, key)
 
@@ -379,6 +401,7 @@ class KVEvictCachePolicy(CachePolicy):
         self.chunks.clear()
         records.clear()
         idle.clear()
+        self.pending.clear()
         self.key_of.clear()
         self._placed.clear()
         self._tick = 0
@@ -386,14 +409,37 @@ class KVEvictCachePolicy(CachePolicy):
             self._start_policy()
 
     def mark_evictable(self, key: OffloadKey) -> None:
+        """Idle now; offered to the policy when its request finishes, or before the next
+        victim is chosen, whichever comes first (`pending`)."""
         self.idle[key] = None
-        if self.policy is not None:
-            self._call("on_candidate", self.records[key], key)
+        self.pending[key] = None
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         del self.idle[key]
-        if self.policy is not None:
-            self._call("on_uncandidate", self.records[key], key)
+        if key in self.pending:  # never offered: nothing to withdraw
+            del self.pending[key]
+            return
+        policy = self.policy
+        if policy is not None:
+            try:
+                policy.on_uncandidate(self.records[key], self.clock())
+            except Exception as exc:
+                self._quarantine("on_uncandidate", key, exc)
+
+    def flush(self) -> None:
+        """Offer the policy every `pending` idle chunk (``on_candidate``, in the order they
+        became idle), so that its candidates are exactly the idle chunks."""
+        pending = self.pending
+        policy = self.policy
+        if pending and policy is not None:
+            on_candidate, records, now = policy.on_candidate, self.records, self.clock()
+            for key in pending:
+                try:
+                    on_candidate(records[key], now)
+                except Exception as exc:
+                    self._quarantine("on_candidate", key, exc)
+                    break
+        pending.clear()
 
     # -- request events ----------------------------------------------------------------------
 
@@ -417,28 +463,43 @@ class KVEvictCachePolicy(CachePolicy):
     def on_request_finished(self, key_groups: Sequence[Sequence[OffloadKey]],
                             insertion_only_keys: set[OffloadKey],
                             reused_keys: set[OffloadKey], req_context: ReqContext) -> None:
-        ordered = order_request_keys(key_groups, req_context)
+        # one KV cache group: vLLM's manager has put it head to tail already (what
+        # order_request_keys would redo, position by position)
+        ordered = key_groups[0] if len(key_groups) == 1 else order_request_keys(key_groups,
+                                                                                 req_context)
+        placed, records = self._placed, self.records
+        resident = []
         for key in ordered:
-            self._placed.pop(key, None)
-        self._access([key for key in ordered if key in self.records], reused_keys,
-                     RequestInfo.of(req_context))
+            if placed:
+                placed.pop(key, None)
+            if key in records:
+                resident.append(key)
+        self._access(resident, reused_keys, RequestInfo.of(req_context))
 
-    def _access(self, keys: list[OffloadKey], reused: set[OffloadKey],
+    def _access(self, keys: Sequence[OffloadKey], reused: set[OffloadKey],
                 info: RequestInfo) -> None:
         """``keys`` (head to tail, resident) were used by one request, ``reused`` of them
         found cached: hits head first, then releases tail first (`KVCacheManager`'s
-        stamps), each idle chunk re-offered with its new stamp."""
+        stamps); each idle chunk is offered with its final stamp, once (an offered one is
+        withdrawn first, a `pending` one just offered)."""
         now = self.clock()
-        records, idle = self.records, self.idle
-        session, retention = info.session_id, info.retention
+        records, idle, pending = self.records, self.idle, self.pending
+        policy = self.policy
         tick = self._tick
-        withdrawn = []
-        for key in keys:
-            if key in reused:
+        withdrawn: set[OffloadKey] = set()
+        if reused:
+            session, retention = info.session_id, info.retention
+            for key in keys:
+                if key not in reused:
+                    continue
                 record = records[key]
-                if key in idle and self.policy is not None:
-                    self._call("on_uncandidate", record, key)
-                    withdrawn.append(key)
+                if policy is not None and key in idle and key not in pending:
+                    try:
+                        policy.on_uncandidate(record, now)
+                    except Exception as exc:
+                        self._quarantine("on_uncandidate", key, exc)
+                        policy = None
+                    withdrawn.add(key)
                 tick += 1
                 record.last_access = now
                 record.last_access_tick = tick
@@ -447,10 +508,12 @@ class KVEvictCachePolicy(CachePolicy):
                 if retention is not None:
                     record.retention = retention
                 record.note_sharer(session, now)
-                if self.policy is not None:
-                    self._tick = tick
-                    self._call("on_hit", record, key)
-        withdrawn_set = set(withdrawn)
+                if policy is not None:
+                    try:
+                        policy.on_hit(record, now)
+                    except Exception as exc:
+                        self._quarantine("on_hit", key, exc)
+                        policy = None
         for key in reversed(keys):
             record = records[key]
             tick += 1
@@ -459,12 +522,21 @@ class KVEvictCachePolicy(CachePolicy):
             if key in idle:
                 del idle[key]  # it became idle again: the end of the fallback order
                 idle[key] = None
-                if self.policy is not None:
-                    if key not in withdrawn_set:
-                        self._call("on_uncandidate", record, key)
-                    if self.policy is not None:
-                        self._tick = tick
-                        self._call("on_candidate", record, key)
+                if key in pending:
+                    del pending[key]
+                    offered = False
+                else:
+                    offered = key not in withdrawn
+                if policy is not None:
+                    event = "on_uncandidate"
+                    try:
+                        if offered:
+                            policy.on_uncandidate(record, now)
+                        event = "on_candidate"
+                        policy.on_candidate(record, now)
+                    except Exception as exc:
+                        self._quarantine(event, key, exc)
+                        policy = None
         self._tick = tick
 
     # -- eviction ----------------------------------------------------------------------------
@@ -480,6 +552,7 @@ class KVEvictCachePolicy(CachePolicy):
             return None
         chosen: list[OffloadKey] = []
         taken: set[OffloadKey] = set()
+        self.flush()
         if self.policy is not None:
             self._evict_by_policy(n, protected, chosen, taken)
         if len(chosen) < n:  # quarantined (now or before): the order chunks became idle
@@ -491,12 +564,13 @@ class KVEvictCachePolicy(CachePolicy):
                     if len(chosen) == n:
                         break
         out = []
+        chunks, records, key_of, placed = self.chunks, self.records, self.key_of, self._placed
         for key in chosen:
-            chunk = self.chunks.pop(key)
-            record = self.records.pop(key)
-            del self.key_of[record.block_id]
+            chunk = chunks.pop(key)
+            del key_of[records.pop(key).block_id]
             del idle[key]
-            self._placed.pop(key, None)
+            if placed:
+                placed.pop(key, None)
             out.append((key, chunk))
         self.evictions += n
         return out
@@ -507,11 +581,12 @@ class KVEvictCachePolicy(CachePolicy):
         victims are set aside and offered back. Stops early only on a quarantine."""
         policy = self.policy
         records, idle, key_of = self.records, self.idle, self.key_of
+        victim, on_evict, on_uncandidate = policy.victim, policy.on_evict, policy.on_uncandidate
         now = self.clock()
         aside: list[OffloadKey] = []
         while len(chosen) < n:
             try:
-                block_id = policy.victim(now)
+                block_id = victim(now)
             except Exception as exc:
                 self._quarantine("victim", None, exc)
                 break
@@ -521,13 +596,13 @@ class KVEvictCachePolicy(CachePolicy):
                                  f"chunk ({len(idle)} idle, {len(chosen)} chosen)")
                 break
             record = records[key]
-            event = "on_uncandidate" if key in protected else "on_evict"
+            side = key in protected
             try:
-                getattr(policy, event)(record, now)
+                (on_uncandidate if side else on_evict)(record, now)
             except Exception as exc:
-                self._quarantine(event, key, exc)
+                self._quarantine("on_uncandidate" if side else "on_evict", key, exc)
                 break
-            if key in protected:
+            if side:
                 aside.append(key)
             else:
                 chosen.append(key)
@@ -547,6 +622,7 @@ class KVEvictCachePolicy(CachePolicy):
         """Raise AssertionError unless the adapter's own bookkeeping is consistent."""
         assert self.chunks.keys() == self.records.keys()
         assert set(self.idle) <= set(self.chunks)
+        assert set(self.pending) <= set(self.idle)
         for key, chunk in self.chunks.items():
             assert (chunk.ref_cnt == 0) == (key in self.idle), key
             assert self.key_of[self.records[key].block_id] == key

@@ -13,25 +13,31 @@ scheduler drives it for a request whose KV the GPU tier no longer holds:
 5. ``on_request_finished``.
 
 Only **full** chunks have keys (vLLM hashes full blocks only): `offload_requests` cuts each
-request to its ``num_tokens // chunk_tokens`` full chunks and drops requests with none. The
+request to its ``num_tokens // chunk_tokens`` full chunks and drops requests with none; a
+token-mode request (JSONL, ShareGPT) is hashed into chained chunk hashes first
+(`kvevict.hashing.block_hashes`, as `kvevict.replay` hashes it). The
 hit ratio is chunk hits over chunk lookups. On the bundled Mooncake trace (512-token
 chunks) vLLM's built-in ``lru`` gives 0.0880 / 0.2925 / 0.6009 at 1,000 / 5,000 / 20,000
 chunks, and ``arc`` 0.0820 / 0.3045 / 0.6132.
 
-The clock is the request index (kvevict's ``time="index"``), so a kvevict policy's
-time-aware parameters are in requests, as in `kvevict.replay`. The results are kvevict's
-`ReplayResult` (``capacity_blocks`` = chunks, ``block_size`` = tokens per chunk).
+The clock is the request index (kvevict's ``time="index"``, the default) or the arrival
+seconds (``time="arrival"``), so a kvevict policy's time-aware parameters are in the same
+unit as in `kvevict.replay`. The results are kvevict's `ReplayResult` (``capacity_blocks`` =
+chunks, ``block_size`` = tokens per chunk); `replay_offload_table` gives a `ReplayTable` of
+policies by sizes, for `kvevict.replay.format_table` (``kvevict replay --engine
+vllm-offload``).
 """
 
 from __future__ import annotations
 
 import time as _time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvevict.adapters.vllm.offload import KVEvictCachePolicy, offload_policy
 from kvevict.errors import ConfigError
-from kvevict.replay import ReplayResult
+from kvevict.hashing import block_hashes
+from kvevict.replay import ReplayResult, ReplayTable
 from kvevict.types import ManualClock, Request
 
 from vllm.v1.kv_offload.base import (  # isort: skip
@@ -43,7 +49,7 @@ from vllm.v1.kv_offload.base import (  # isort: skip
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # isort: skip
 
 __all__ = ["VLLM_POLICIES", "drive_request", "make_manager", "offload_keys",
-           "offload_requests", "replay_offload"]
+           "offload_requests", "replay_offload", "replay_offload_table"]
 
 #: vLLM's own offload policies, named with this prefix to tell them from kvevict's.
 VLLM_POLICIES = ("vllm:lru", "vllm:arc")
@@ -55,7 +61,9 @@ def offload_requests(requests: Iterable[Request], chunk_tokens: int = 512) -> li
     """``requests`` cut to their full chunks (hash mode), those with none dropped.
 
     A hash-mode request keeps its first ``num_tokens // chunk_tokens`` ids and that many
-    chunks of tokens, so that `kvevict.replay.replay` and `replay_offload` see one stream.
+    chunks of tokens, so that `kvevict.replay.replay` and `replay_offload` see one stream. A
+    token-mode request becomes the chained hashes of its full chunks of ``chunk_tokens``
+    tokens (`kvevict.hashing.block_hashes`, the hashes `kvevict.replay` gives its blocks).
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ConfigError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
@@ -64,16 +72,15 @@ def offload_requests(requests: Iterable[Request], chunk_tokens: int = 512) -> li
         if not isinstance(req, Request):
             raise ConfigError(f"offload_requests takes Requests, got {type(req).__name__}")
         if req.block_hashes is None:
-            raise ConfigError(f"request {req.request_id!r} is in token mode; the offload "
-                              "replay takes hash-mode requests (block_hashes=, e.g. Mooncake)")
-        full = min(len(req.block_hashes), req.prompt_len // chunk_tokens)
-        if full == 0:
+            hashes = tuple(block_hashes(req.tokens, chunk_tokens))
+        else:
+            hashes = req.block_hashes[:req.prompt_len // chunk_tokens]
+        if not hashes:
             continue
         out.append(Request(req.request_id, session_id=req.session_id,
                            workload_class=req.workload_class, arrival=req.arrival,
                            output_len=req.output_len, turn=req.turn, retention=req.retention,
-                           block_hashes=req.block_hashes[:full],
-                           num_tokens=full * chunk_tokens))
+                           block_hashes=hashes, num_tokens=len(hashes) * chunk_tokens))
     return out
 
 
@@ -151,7 +158,8 @@ def drive_request(manager: CPUOffloadingManager, keys: Sequence[OffloadKey],
 
 def replay_offload(requests: Iterable[Request], policy: str, capacity_chunks: int, *,
                    chunk_tokens: int = 512, params: Mapping[str, Any] | None = None,
-                   label: str | None = None, check_every: int = 0) -> ReplayResult:
+                   label: str | None = None, check_every: int = 0,
+                   time: str = "index") -> ReplayResult:
     """Replay ``requests`` (cut by `offload_requests`) through a real ``CPUOffloadingManager``.
 
     Args:
@@ -162,21 +170,28 @@ def replay_offload(requests: Iterable[Request], policy: str, capacity_chunks: in
         params: the kvevict policy's parameters.
         label: the result's policy label (default: ``policy``).
         check_every: check the adapter's bookkeeping every this many requests (0: never).
+        time: the policies' clock: ``"index"`` (the request's index among the cut requests,
+            as `kvevict.replay` counts them on the same list) or ``"arrival"`` (its arrival
+            seconds, as the trace gives them).
 
     Returns:
         A `ReplayResult`; ``rejected`` counts requests whose store was skipped.
     """
+    if time not in ("index", "arrival"):
+        raise ConfigError(f"time must be 'index' or 'arrival', got {time!r}")
     reqs = offload_requests(requests, chunk_tokens)
     clock = ManualClock()
     manager, adapter = make_manager(policy, capacity_chunks, chunk_tokens=chunk_tokens,
                                     params=params, clock=clock)
+    # the keys laid out before the clock starts: the timer sees the manager and its policy
+    # (and the connector's per-request calls), not the trace's conversion to vLLM keys
+    stream = [(float(req.arrival) if time == "arrival" else float(i), str(req.request_id),
+               offload_keys(req)) for i, req in enumerate(reqs)]
     start = _time.perf_counter()
     accesses = hits = skipped = evictions = 0
-    for i, req in enumerate(reqs):
-        clock.set(float(i))
-        keys = offload_keys(req)
-        found, evicted = drive_request(manager, keys, ReqContext(str(req.request_id)),
-                                       chunk_tokens)
+    for i, (t, req_id, keys) in enumerate(stream):
+        clock.set(t)
+        found, evicted = drive_request(manager, keys, ReqContext(req_id), chunk_tokens)
         accesses += len(keys)
         hits += found
         if evicted is None:
@@ -191,3 +206,45 @@ def replay_offload(requests: Iterable[Request], policy: str, capacity_chunks: in
                         requests=len(reqs), accesses=accesses, hits=hits,
                         token_queries=accesses * chunk_tokens, token_hits=hits * chunk_tokens,
                         evictions=evictions, rejected=skipped, seconds=seconds)
+
+
+def replay_offload_table(requests: Iterable[Request], policies: Sequence[str],
+                         capacities: Iterable[int], chunk_tokens: int = 512, *,
+                         time: str = "index",
+                         progress: Callable[[str, int], None] | None = None) -> ReplayTable:
+    """`replay_offload` of every policy at every capacity, over one cut of ``requests``.
+
+    Args:
+        requests: any requests (`offload_requests` cuts them once; a `TraceFile` is read once).
+        policies: `VLLM_POLICIES` names or online kvevict policy names, each once.
+        capacities: offload tier sizes in chunks.
+        chunk_tokens: tokens per chunk.
+        time: as for `replay_offload`.
+        progress: called ``progress(policy, capacity)`` after each cell.
+
+    Returns:
+        A `ReplayTable` (``capacities`` in chunks), for `kvevict.replay.format_table`.
+    """
+    if isinstance(policies, str):
+        raise ConfigError("policies must be a list of names, not one string")
+    policies = list(policies)
+    if not policies:
+        raise ConfigError("policies must name at least one policy")
+    twice = sorted({p for p in policies if policies.count(p) > 1})
+    if twice:
+        raise ConfigError(f"policies name {', '.join(twice)} twice")
+    sizes = list(capacities)
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"capacities must be positive ints (chunks), got {size!r}")
+    for policy in policies:  # a bad name fails before any replay runs
+        make_manager(policy, 1, chunk_tokens=chunk_tokens)
+    cut = offload_requests(requests, chunk_tokens)
+    results = []
+    for policy in policies:
+        for size in sizes:
+            results.append(replay_offload(cut, policy, size, chunk_tokens=chunk_tokens,
+                                          time=time))
+            if progress is not None:
+                progress(policy, size)
+    return ReplayTable(policies, sizes, results)
