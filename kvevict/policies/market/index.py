@@ -224,6 +224,14 @@ class PriceIndex:
         self._hc_now = None  # cannot happen while candidates exist; rebuild next time
         return None
 
+    def pop_cheapest(self, now: float, version: int) -> int | None:
+        """`cheapest_id`, then forgotten as by `remove` (its head price, now dead, stays at
+        the top of the head-price heap until the next call replaces it)."""
+        block_id = self.cheapest_id(now, version)
+        if block_id is not None:
+            self.remove(block_id)
+        return block_id
+
     def _price_heads(self, queues: Iterable[RecencyQueue], now: float,
                      replace_dead_top: bool = False) -> None:
         """Push ``(log price, tick, seq, entry)`` of the head of each of ``queues`` into the

@@ -15,7 +15,7 @@ index's candidates, and prices shared blocks (the union over their tracked share
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -37,7 +37,7 @@ from kvevict.policies.market.price import (
     turn_bucket,
     union_log_p,
 )
-from kvevict.types import BlockInfo
+from kvevict.types import BlockInfo, Request
 
 __all__ = ["Market"]
 
@@ -152,10 +152,6 @@ class Market(Policy):
         self._log_c_nbytes: int | None = None
         self._index_add, self._index_remove = self.index.add, self.index.remove
         self._sessions = self.learner.sessions
-        # (session, now) of the last hit that went through the learner: the following hits
-        # of the same request need nothing from it (see on_hit)
-        self._hit_session: Any = _NOBODY
-        self._hit_now: float | None = None
         # block id -> [block, its most recent sharers]; at most one entry per pool block
         self._sharer_log: dict[int, list] = {}
 
@@ -188,7 +184,7 @@ class Market(Policy):
     # -- events ----------------------------------------------------------------------------
 
     def on_insert(self, block: BlockInfo, now: float) -> None:
-        # A begin either hits (on_hit) or, when nothing is cached, inserts block 0 first; a
+        # A begin either hits (on_hits) or, when nothing is cached, inserts block 0 first; a
         # later chunk of a chunked prefill inserts deeper blocks only, and is not a new turn.
         if block.created_by != "prefill":
             return
@@ -198,28 +194,28 @@ class Market(Policy):
         if rec is not None and (depth or rec.last_begin == now):
             rec.cls = block.workload_class
             return
-        self._hit_session = _NOBODY  # a record may be created or forgotten
         self.learner.touch(session, block.workload_class, now, True, depth == 0)
 
-    def on_hit(self, block: BlockInfo, now: float) -> None:
-        session = block.last_hit_session
-        if session is not self._hit_session or now != self._hit_now:
-            # The first hit of a request begins the session's turn (the learner's touch);
-            # after it the session's record has begun at ``now``, so the request's other
-            # hits would not touch again, until another touch creates or drops a record.
-            rec = self._sessions.get(session)
-            if rec is None or rec.last_begin != now:
-                self.learner.touch(session, block.workload_class, now, False, True)
-            self._hit_session, self._hit_now = session, now
-        if block.num_sharers > 1:
-            tracked = self._sharer_log.get(block.block_id)
-            if tracked is None or tracked[0] is not block:
-                self._sharers_of(block)
-            else:
-                log = tracked[1]
-                log[session] = now
-                if len(log) > 2 * self.max_sharers:  # keep the most recent, amortized O(1)
-                    tracked[1] = self._most_recent(log)
+    def on_hits(self, request: Request, hits: Sequence[BlockInfo], now: float) -> None:
+        # A request's hits (begin or resume) begin the session's turn, under the class of
+        # the first hit block (the learner's touch; none if the session began at ``now``),
+        # and make it a recent sharer of each shared hit block. Sent before the request's
+        # new blocks are cached (on_insert), as the per-block hits were.
+        session = request.session_id
+        rec = self._sessions.get(session)
+        if rec is None or rec.last_begin != now:
+            self.learner.touch(session, hits[0].workload_class, now, False, True)
+        sharer_log = self._sharer_log
+        for block in hits:
+            if block.num_sharers > 1:
+                tracked = sharer_log.get(block.block_id)
+                if tracked is None or tracked[0] is not block:
+                    self._sharers_of(block)
+                else:
+                    log = tracked[1]
+                    log[session] = now
+                    if len(log) > 2 * self.max_sharers:  # the most recent, amortized O(1)
+                        tracked[1] = self._most_recent(log)
 
     def _most_recent(self, sharers: dict[Any, float]) -> dict[Any, float]:
         if len(sharers) <= self.max_sharers:
@@ -387,6 +383,15 @@ class Market(Policy):
         if now != learner.synced_now:
             learner.sync(now)
         return self.index.cheapest_id(now, learner.version)
+
+    def pop_victim(self, now: float) -> int | None:
+        learner = self.learner
+        if now != learner.synced_now:
+            learner.sync(now)
+        block_id = self.index.pop_cheapest(now, learner.version)
+        if block_id is not None:
+            self._sharer_log.pop(block_id, None)
+        return block_id
 
     def cheapest(self, k: int, now: float) -> list[Quote]:
         """Quotes of the ``k`` candidates `victim` would take next at ``now``, cheapest first.
