@@ -33,14 +33,16 @@ _MIN_GAP_S = 1e-3
 
 
 class SessionRecord:
-    """What the learner knows of one session: its class, turns so far, the clock time of
-    its last begin and of its last activity, and whether a trial is open."""
+    """What the learner knows of one session: its class, turns so far (and their
+    `turn_bucket`), the clock time of its last begin and of its last activity, and whether a
+    trial is open."""
 
-    __slots__ = ("cls", "last_begin", "last_seen", "pending", "turns")
+    __slots__ = ("bucket", "cls", "last_begin", "last_seen", "pending", "turns")
 
     def __init__(self, cls: str, now: float) -> None:
         self.cls = cls
         self.turns = 1
+        self.bucket = 0  # turn_bucket(turns), kept with it: the hot paths read it
         self.last_begin = now
         self.last_seen = now
         self.pending = False
@@ -233,6 +235,7 @@ class ReuseLearner:
             rec.pending = False
             self._observe(rec.cls, turn_bucket(rec.turns), now - rec.last_seen)
         rec.turns += 1
+        rec.bucket = turn_bucket(rec.turns)
         rec.last_begin = rec.last_seen = now
         sessions.move_to_end(session)
         if self.learn:

@@ -151,9 +151,11 @@ class Market(Policy):
         self._log_c_at: dict[int, float] = {}  # depth -> log cost per byte, at _log_c_nbytes
         self._log_c_nbytes: int | None = None
         self._index_add, self._index_remove = self.index.add, self.index.remove
+        self._cheapest_entry = self.index.cheapest_entry
         self._sessions = self.learner.sessions
         # block id -> [block, its most recent sharers]; at most one entry per pool block
         self._sharer_log: dict[int, list] = {}
+        self._forget_sharers = self._sharer_log.pop
 
     # -- parameters ------------------------------------------------------------------------
 
@@ -206,6 +208,7 @@ class Market(Policy):
         if rec is None or rec.last_begin != now:
             self.learner.touch(session, hits[0].workload_class, now, False, True)
         sharer_log = self._sharer_log
+        limit = 2 * self.max_sharers
         for block in hits:
             if block.num_sharers > 1:
                 tracked = sharer_log.get(block.block_id)
@@ -214,7 +217,7 @@ class Market(Policy):
                 else:
                     log = tracked[1]
                     log[session] = now
-                    if len(log) > 2 * self.max_sharers:  # the most recent, amortized O(1)
+                    if len(log) > limit:  # keep the most recent, amortized O(1)
                         tracked[1] = self._most_recent(log)
 
     def _most_recent(self, sharers: dict[Any, float]) -> dict[Any, float]:
@@ -238,7 +241,7 @@ class Market(Policy):
         if block.num_sharers > 1:
             return None, log_c
         rec = self._sessions.get(block.session)
-        tb = turn_bucket(rec.turns) if rec is not None else 0
+        tb = rec.bucket if rec is not None else 0
         return self.learner.model(block.workload_class, tb), log_c
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
@@ -248,15 +251,10 @@ class Market(Policy):
             tb = -((k - 1).bit_length())  # sharer bucket: 2, 3-4, 5-8, ...
         else:
             rec = self._sessions.get(block.session)
-            if rec is None:
-                tb = 0
-            else:
-                turns = rec.turns
-                tb = 0 if turns < 2 else min(NUM_TURN_BUCKETS - 1, turns.bit_length() - 1)
+            tb = 0 if rec is None else rec.bucket
         if rec is not None and block.last_access == now:
             rec.last_seen = now  # a release: the session's idle time starts here
-        depth = block.depth
-        log_c = self._log_c_at.get(depth) if block.nbytes == self._log_c_nbytes else None
+        log_c = self._log_c_at.get(block.depth) if block.nbytes == self._log_c_nbytes else None
         if log_c is None:
             log_c = self._log_c_of(block)
         self._index_add(block, (block.workload_class, tb, log_c), log_c)
@@ -313,10 +311,7 @@ class Market(Policy):
             if rec is None:
                 cls, tb = cls0, 0
             else:
-                cls = rec.cls
-                turns = rec.turns
-                tb = (0 if turns < 2 else 1 if turns < 4 else 2 if turns < 8 else
-                      3 if turns < 16 else 4)  # turn_bucket, inlined
+                cls, tb = rec.cls, rec.bucket
             if tb != m_tb or cls != m_cls:
                 table = tables.get(cls)
                 m = table[tb] if table is not None else None
@@ -344,8 +339,7 @@ class Market(Policy):
         oldest, oldest_t = 0, math.inf
         for session, t in log.items():
             rec = sessions.get(session)
-            m = (model(block.workload_class, 0) if rec is None
-                 else model(rec.cls, turn_bucket(rec.turns)))
+            m = model(block.workload_class, 0) if rec is None else model(rec.cls, rec.bucket)
             if t < oldest_t:
                 oldest, oldest_t = len(log_qs), t
             log_qs.append(m.log_q(now - t))
@@ -388,9 +382,11 @@ class Market(Policy):
         learner = self.learner
         if now != learner.synced_now:
             learner.sync(now)
-        block_id = self.index.pop_cheapest(now, learner.version)
-        if block_id is not None:
-            self._sharer_log.pop(block_id, None)
+        entry = self._cheapest_entry(now, learner.version, True)
+        if entry is None:
+            return None
+        block_id = entry[2]
+        self._forget_sharers(block_id, None)
         return block_id
 
     def cheapest(self, k: int, now: float) -> list[Quote]:
