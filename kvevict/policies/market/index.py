@@ -264,6 +264,7 @@ class PriceIndex:
             queues = dirty
             replace_dead_top = self._dead_top and len(dirty) == 1
         self._dead_top = False
+        top = None  # the live entry whose price went to the top in place, if any
         if queues:
             stamp = self._stamp
             n = 0
@@ -297,6 +298,7 @@ class PriceIndex:
                     size = len(hc)
                     if (size < 2 or item < hc[1]) and (size < 3 or item < hc[2]):
                         hc[0] = item
+                        top = entry
                     else:
                         heapq.heapreplace(hc, item)
                 else:
@@ -305,16 +307,19 @@ class PriceIndex:
                 heapq.heapify(hc)
             self.evaluations += n
             dirty.clear()
-        while hc:
-            entry = hc[0][3]
-            if live.get(entry[2]) is entry:
-                if pop:
-                    self._unlink(entry)
-                    self._dead_top = True  # its price is the top, until the next call
-                return entry
-            heapq.heappop(hc)
-        self._hc_now = None  # cannot happen while candidates exist; rebuild next time
-        return None
+        if top is None:
+            while hc:
+                top = hc[0][3]
+                if live.get(top[2]) is top:
+                    break
+                heapq.heappop(hc)
+            else:
+                self._hc_now = None  # cannot happen while candidates exist: rebuild next
+                return None
+        if pop:
+            self._unlink(top)
+            self._dead_top = True  # its price is the top, until the next call
+        return top
 
     def _sorted_entries(self, q: RecencyQueue) -> Iterator[tuple]:
         """The live entries of ``q`` in queue order, lazily (the deque merged with a walk of
