@@ -109,11 +109,12 @@ class PriceIndex:
             q = self.queues[key] = RecencyQueue(key, self.model_of(key), log_c)
         block_id = block.block_id
         live = self.live
-        if block_id in live:  # defensive: a repeated on_candidate replaces the old entry
-            self.remove(block_id)
         self._seq = seq = self._seq + 1
         tick = block.last_access_tick
-        entry = live[block_id] = (tick, seq, block_id, block, q)
+        entry = (tick, seq, block_id, block, q)
+        if live.setdefault(block_id, entry) is not entry:  # defensive: a repeated
+            self.remove(block_id)  # on_candidate replaces the old entry
+            live[block_id] = entry
         n = q.n = q.n + 1
         items = q.items
         if n == 1:  # an empty queue (an emptied one keeps no dead entries): the head
@@ -176,8 +177,10 @@ class PriceIndex:
         del self.live[entry[2]]
         q.n -= 1
         if q.n == 0:
-            items.clear()
-            q.late.clear()
+            if items:
+                items.clear()
+            if q.late:
+                q.late.clear()
             del self.active[q]
         elif not head and len(items) + len(q.late) > 2 * q.n + 64:  # dead entries left
             self._compact(q)

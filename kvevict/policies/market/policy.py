@@ -27,14 +27,12 @@ from kvevict.policies.market.index import PriceIndex
 from kvevict.policies.market.learner import ReuseLearner
 from kvevict.policies.market.price import (
     DEFAULT_CLASS_PARAMS,
-    NUM_TURN_BUCKETS,
     ClassEstimate,
     ClassParams,
     CostBuckets,
     Quote,
     ReuseModel,
     is_number,
-    turn_bucket,
     union_log_p,
 )
 from kvevict.types import BlockInfo, Request
@@ -322,8 +320,8 @@ class Market(Policy):
             z = (now - t) * r - big_l  # m.log_q(now - t), inlined
             q = exp(log_hf - (z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z))))
             if q >= 1.0:
-                certain = True
-            elif not certain:
+                certain = True  # the union is 1 (what follows is not used)
+            else:
                 total += log1p(-q)
         if certain:
             return 0.0
