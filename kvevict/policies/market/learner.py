@@ -88,6 +88,8 @@ class ReuseLearner:
         self.sessions: OrderedDict[Any, SessionRecord] = OrderedDict()
         #: estimates changed since the last version (takes effect at the next new clock time)
         self.version = 0
+        #: moves on whenever a session record may change (`touch`, `reclass`)
+        self.epoch = 0
         self.synced_now: float | None = None
         self._models: dict[tuple[str, int], ReuseModel] = {}
         self._class_models: dict[str, list[tuple[int, ReuseModel]]] = {}  # the same, by class
@@ -209,11 +211,17 @@ class ReuseLearner:
                 rec.pending = False
                 self._observe(rec.cls, turn_bucket(turns), None)
 
+    def reclass(self, rec: SessionRecord, cls: str) -> None:
+        """The session of ``rec`` is of class ``cls`` from now on."""
+        rec.cls = cls
+        self.epoch += 1
+
     def touch(self, session: Any, cls: str, now: float, own: bool, begins: bool) -> None:
         """Session ``session`` is active at ``now``; ``begins``: the event marks a begin, a new
         turn unless the session already began at ``now``. ``own``: ``cls`` is its own class."""
         if session is None:
             return
+        self.epoch += 1
         if begins and now != self.synced_now:
             self.sync(now)  # expire old trials even if nothing is ever evicted
         sessions = self.sessions

@@ -153,6 +153,10 @@ class Market(Policy):
         self._sessions = self.learner.sessions
         # block id -> [block, its most recent sharers]; at most one entry per pool block
         self._sharer_log: dict[int, list] = {}
+        # moves on whenever a sharer log may change (a request's hits)
+        self._log_epoch = 0
+        # the last union: (now, learner version and epoch, log epoch, class, log, log P)
+        self._last_union: tuple = (None, -1, -1, -1, None, None, 0.0)
         self._forget_sharers = self._sharer_log.pop
 
     # -- parameters ------------------------------------------------------------------------
@@ -188,19 +192,19 @@ class Market(Policy):
         # later chunk of a chunked prefill inserts deeper blocks only, and is not a new turn.
         if block.created_by != "prefill":
             return
-        session = block.session
-        rec = self._sessions.get(session)
-        depth = block.depth
-        if rec is not None and (depth or rec.last_begin == now):
-            rec.cls = block.workload_class
+        rec = self._sessions.get(block.session)
+        if rec is not None and (block.depth or rec.last_begin == now):
+            if rec.cls != block.workload_class:
+                self.learner.reclass(rec, block.workload_class)
             return
-        self.learner.touch(session, block.workload_class, now, True, depth == 0)
+        self.learner.touch(block.session, block.workload_class, now, True, block.depth == 0)
 
     def on_hits(self, request: Request, hits: Sequence[BlockInfo], now: float) -> None:
         # A request's hits (begin or resume) begin the session's turn, under the class of
         # the first hit block (the learner's touch; none if the session began at ``now``),
         # and make it a recent sharer of each shared hit block. Sent before the request's
         # new blocks are cached (on_insert), as the per-block hits were.
+        self._log_epoch += 1
         session = request.session_id
         rec = self._sessions.get(session)
         if rec is None or rec.last_begin != now:
@@ -288,17 +292,36 @@ class Market(Policy):
         `union_log_p` of the sharers' ``log q``. When every sharer is tracked, in one pass
         with the same operations in the same order (so the same float): the sharers' models
         come from the learner's per-class tables, looked up again only when the class or
-        turn bucket changes from one sharer to the next.
+        turn bucket changes from one sharer to the next. The blocks of a shared chain have
+        the same sharers at the same times: a union whose inputs are those of the last one
+        (the clock, the learner's version and session records, the sharer log in order, the
+        class) is that one's.
         """
         log = self._sharers_of(block)
         n = len(log)
         if not n or block.num_sharers > n:  # none, or some untracked: the general union
             return self._union_of(block, log, now)
+        learner = self.learner
+        cls0 = block.workload_class
+        last = self._last_union
+        if (now == last[0] and learner.version == last[1] and learner.epoch == last[2]
+                and self._log_epoch == last[3] and cls0 == last[4] and log == last[5]
+                and list(log) == list(last[5])):
+            return last[6]  # the same sharers at the same times (the next block of a chain)
+        log_p = self._union_pass(log, cls0, now)
+        if log_p is None:
+            log_p = self._union_of(block, log, now)
+        self._last_union = (now, learner.version, learner.epoch, self._log_epoch, cls0, log,
+                            log_p)
+        return log_p
+
+    def _union_pass(self, log: dict[Any, float], cls0: str, now: float) -> float | None:
+        """`_shared_log_p` over tracked sharers in one pass; None when every odds underflowed
+        (then the general union sums them)."""
         sessions_get = self._sessions.get
         tables = self.learner.tables
         model = self.learner.model
         exp, log1p = math.exp, math.log1p
-        cls0 = block.workload_class
         total = 0.0
         certain = False  # some q >= 1: the union is 1
         m_cls: Any = _NOBODY
@@ -326,7 +349,7 @@ class Market(Policy):
         if certain:
             return 0.0
         p = -math.expm1(total)
-        return math.log(p) if p > 0.0 else self._union_of(block, log, now)
+        return math.log(p) if p > 0.0 else None
 
     def _union_of(self, block: BlockInfo, log: dict[Any, float], now: float) -> float:
         """`union_log_p` over the tracked sharers ``log`` of ``block``, the untracked ones
