@@ -240,6 +240,7 @@ class KVCacheManager:
         self._eviction_listeners: list[Callable[[BlockInfo, float], None]] = []
         self.policy.bind(self.block_size)
         self._on_hit = _overrides(self.policy, Policy, "on_hit")
+        self._on_hits = _overrides(self.policy, Policy, "on_hits")
         self._on_insert = _overrides(self.policy, Policy, "on_insert")
         self._on_begin = _overrides(self.policy, Policy, "on_begin")
         self._on_finish = _overrides(self.policy, Policy, "on_finish")
@@ -471,7 +472,8 @@ class KVCacheManager:
         stats.block_hits += num_hit
 
     def _note_hits(self, hit: list[BlockInfo], request: Request, now: float) -> None:
-        """Stamp each hit block's record, then tell the policy."""
+        """Stamp each hit block's record, then tell the policy: ``on_hit`` per block, then
+        ``on_hits`` once with them all (begin and resume alike)."""
         session, retention = request.session_id, request.retention
         on_hit = self._on_hit
         tick = self._tick
@@ -494,6 +496,11 @@ class KVCacheManager:
                 except Exception as exc:
                     raise self._policy_error("on_hit", block, exc) from exc
         self._tick = tick
+        if hit and self._on_hits is not None:
+            try:
+                self._on_hits(request, hit[:], now)
+            except Exception as exc:
+                raise self._policy_error("on_hits", None, exc) from exc
 
     # -- growth: prefill chunks and decode appends -----------------------------------------
 

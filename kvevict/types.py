@@ -240,6 +240,8 @@ class BlockInfo:
         last_hit_session: session of the most recent hit, or None if never hit.
         last_sharer: the session that used the block last (it created or hit it), and
         last_shared: when; `sharers` lists every remembered one.
+        num_sharers: distinct sessions that used the block (at most MAX_SHARERS are
+            remembered).
         ref_count: running sequences using it.
         num_children: resident cached children; 0 means the block is a leaf.
         retention: retention hint of the request that last used it, if any.
@@ -262,6 +264,7 @@ class BlockInfo:
         "workload_class",
         "last_sharer",
         "last_shared",
+        "num_sharers",
         "_sharers",
         "hit_count",
         "last_hit_session",
@@ -304,6 +307,7 @@ class BlockInfo:
         self.last_sharer = session
         self.last_shared = now
         self._sharers: dict[Any, float] | None = None
+        self.num_sharers = 1  # kept with _sharers: policies read it on every hit and release
         self.ref_count = 0
         self.retention = retention
         self.num_children = 0
@@ -317,8 +321,10 @@ class BlockInfo:
             earlier = self._sharers
             if earlier is None:
                 self._sharers = {self.last_sharer: self.last_shared}
-            else:
-                earlier.pop(session, None)  # it becomes the most recent
+                self.num_sharers = 2
+            else:  # ``session`` becomes the most recent: one more sharer unless it was one
+                if earlier.pop(session, None) is None and self.num_sharers < MAX_SHARERS:
+                    self.num_sharers += 1
                 earlier[self.last_sharer] = self.last_shared
                 if len(earlier) >= SHARERS_SLACK:  # keep the most recent only, amortized O(1)
                     self._sharers = dict(list(earlier.items())[-MAX_SHARERS:])
@@ -335,13 +341,6 @@ class BlockInfo:
         items = list(earlier.items())[1 - MAX_SHARERS:]  # with the latest: MAX_SHARERS
         items.append((self.last_sharer, self.last_shared))
         return dict(items)
-
-    @property
-    def num_sharers(self) -> int:
-        """Number of distinct sessions that used the block (at most MAX_SHARERS are
-        remembered)."""
-        earlier = self._sharers
-        return 1 if earlier is None else min(len(earlier) + 1, MAX_SHARERS)
 
     @property
     def num_remembered_sharers(self) -> int:

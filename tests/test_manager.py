@@ -845,3 +845,50 @@ def test_a_request_with_an_impossible_arrival_is_rejected_when_built(arrival):
 @pytest.mark.parametrize("arrival", [0, 0.0, 3, 2.5, np.float64(1.5), np.int64(4)])
 def test_finite_non_negative_arrivals_are_accepted(arrival):
     assert Request("r", tokens=[1], arrival=arrival).arrival == arrival
+
+
+def test_policy_events_of_a_request_in_order(clock):
+    """What a policy hears of one request, in order: per hit block ``on_hit``, then one
+    ``on_hits`` with the hits in chain order (begin and resume alike, not sent without
+    hits), then ``on_insert`` per block it caches, then ``on_begin`` (begin only)."""
+    from kvevict.policies.lru import LRU
+
+    class Recorder(LRU):
+        def __init__(self):
+            super().__init__()
+            self.events = []
+
+        def on_begin(self, request, hits, new, now):
+            self.events.append(("begin", request.request_id, [b.block_id for b in hits],
+                                [b.block_id for b in new], now))
+
+        def on_insert(self, block, now):
+            self.events.append(("insert", block.block_id))
+
+        def on_hit(self, block, now):
+            self.events.append(("hit", block.block_id, block.hit_count))
+
+        def on_hits(self, request, hits, now):
+            self.events.append(("hits", request.request_id, [b.block_id for b in hits],
+                                [b.hit_count for b in hits], now))
+            hits.clear()  # the policy's own copy: the manager's hits are untouched
+
+    policy = Recorder()
+    m = KVCacheManager(BlockPool(8, 4), policy, clock=clock)
+    m.begin(Request("a", tokens=A))
+    m.finish("a")
+    assert policy.events == [("insert", 0), ("insert", 1), ("insert", 2),
+                             ("begin", "a", [], [0, 1, 2], 0.0)]
+    policy.events.clear()
+    clock.set(2.0)
+    seq = m.begin(Request("b", tokens=[*A[:8], *C[:5]]))
+    assert policy.events == [("hit", 0, 1), ("hit", 1, 1), ("hits", "b", [0, 1], [1, 1], 2.0),
+                             ("insert", 3), ("begin", "b", [0, 1], [3], 2.0)]
+    assert [b.block_id for b in seq.cached_blocks] == [0, 1, 3]
+    policy.events.clear()
+    m.preempt("b")
+    clock.set(3.0)
+    m.resume("b")
+    assert policy.events == [("hit", 0, 2), ("hit", 1, 2), ("hit", 3, 1),
+                             ("hits", "b", [0, 1, 3], [2, 2, 1], 3.0)]
+    m.check()

@@ -10,9 +10,9 @@ import random
 import pytest
 
 from kvevict.cost import CostModel
-from kvevict.errors import AdmissionDeferred, ConfigError
+from kvevict.errors import AdmissionDeferred, ConfigError, OutOfBlocks
 from kvevict.manager import KVCacheManager
-from kvevict.policies.base import available_policies, make_policy
+from kvevict.policies.base import Policy, available_policies, make_policy
 from kvevict.policies.market import (
     DEFAULT_CLASS_PARAMS,
     ClassParams,
@@ -532,6 +532,173 @@ def test_one_pass_sharer_union_is_the_general_union_bit_for_bit():
         assert market._shared_log_p(block, now) == market._union_of(block, log, now)
         compared += 1
     assert compared == 6
+
+
+class PerBlockHits(Market):
+    """The market as it heard hits before `Policy.on_hits`: one ``on_hit`` per hit block,
+    each asking the learner about the session (the reference for the batched hits)."""
+
+    on_hits = Policy.on_hits  # left as the no-op: the manager sends on_hit per block only
+
+    def on_hit(self, block, now):
+        session = block.last_hit_session
+        rec = self.learner.sessions.get(session)
+        if rec is None or rec.last_begin != now:
+            self.learner.touch(session, block.workload_class, now, False, True)
+        if block.num_sharers > 1:
+            tracked = self._sharer_log.get(block.block_id)
+            if tracked is None or tracked[0] is not block:
+                self._sharers_of(block)
+            else:
+                tracked[1][session] = now
+                if len(tracked[1]) > 2 * self.max_sharers:
+                    tracked[1] = self._most_recent(tracked[1])
+
+
+def _market_state(market: Market) -> tuple:
+    learner = market.learner
+    sessions = [(k, r.cls, r.turns, r.bucket, r.last_begin, r.last_seen, r.pending)
+                for k, r in learner.sessions.items()]
+    estimates = [learner.class_estimate(c) for c in sorted(learner.tables)]
+    logs = {b: (t[0].block_id, list(t[1].items())) for b, t in market._sharer_log.items()}
+    return sessions, estimates, logs, market.price_evaluations, learner.version
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batched_hits_compute_what_per_block_hits_computed(seed):
+    """`Market.on_hits` (one call per begin or resume) against the per-block reference, on
+    random begins (chunked too), prefills, appends, preemptions, resumes and finishes of
+    sessions of every class sharing system prompts: the same sessions, turns, estimates,
+    sharer logs, price evaluations and victims after every operation."""
+    rng = random.Random(seed)
+    systems = [tokens(10_000 * (k + 1), 2 * BS) for k in range(3)]
+    runs = []
+    for policy in (Market(max_sharers=3, max_sessions=12), PerBlockHits(max_sharers=3,
+                                                                         max_sessions=12)):
+        m, clock = new_manager(policy, 40)
+        runs.append((m, clock, policy, record_evictions(m)))
+    live: list[str] = []
+    t = 0.0
+    for step in range(500):
+        t += rng.choice([0.0, 0.0, 0.5, 3.0, 40.0])
+        op = rng.random()
+        s = rng.randrange(16)
+        rid = f"r{step}"
+        request = Request(rid, tokens=[*rng.choice(systems),
+                                       *tokens(100 * s, rng.randrange(1, 3 * BS))],
+                          session_id=s, workload_class=CLASSES[(s + step // 97) % 5])
+        target = rng.choice(live) if live else None
+        outcomes = []
+        for m, clock, _, _ in runs:
+            clock.set(t)
+            try:
+                if op < 0.4 or target is None:
+                    chunk = rng.choice([None, None, BS]) if not outcomes else outcomes[0][1]
+                    m.begin(request, max_new_tokens=chunk)
+                    outcomes.append(("begin", chunk))
+                else:
+                    seq = m.sequence(target)
+                    if seq.status == "preempted":
+                        m.resume(target)
+                        outcomes.append(("resume", None))
+                    elif seq.num_pending:
+                        m.prefill(target)
+                        outcomes.append(("prefill", None))
+                    elif op < 0.6:
+                        m.append(target, tokens(7_000 + step, BS + 1))
+                        outcomes.append(("append", None))
+                    elif op < 0.75:
+                        m.preempt(target)
+                        outcomes.append(("preempt", None))
+                    else:
+                        m.finish(target)
+                        outcomes.append(("finish", None))
+            except OutOfBlocks:
+                outcomes.append(("full", None))
+        assert outcomes[0] == outcomes[1]
+        if outcomes[0][0] == "begin":
+            live.append(rid)
+        elif outcomes[0][0] == "finish":
+            live.remove(target)
+        (m1, _, p1, ev1), (m2, _, p2, ev2) = runs
+        assert ev1 == ev2 and _market_state(p1) == _market_state(p2)
+    assert len(runs[0][3]) > 100  # the pool turned over
+    for m, _, _, _ in runs:
+        m.check()
+
+
+def test_the_index_victim_is_the_cheapest_head_by_a_scan_of_every_price():
+    """`PriceIndex.cheapest_entry` (a heap of queue-head prices, a private head's price
+    reused for a head last accessed when the one before it was, the victim's price replaced
+    in place) names the candidate a scan would: the lowest ``(entry_log_price, tick)`` over
+    every queue's oldest live entry. Through pops, adds at both ends and between, removals,
+    runs at one instant, new instants and learner versions that change the models."""
+    from kvevict.policies.market.index import PriceIndex
+    from kvevict.policies.market.price import ReuseModel
+    from kvevict.types import BlockInfo
+
+    rng = random.Random(5)
+    models = {}
+    for tb in range(3):
+        models[tb] = ReuseModel()
+        models[tb].set(0.2 + 0.3 * tb, 5.0 + 20.0 * tb, 60.0)
+
+    def shared_log_p(block, now):  # decreasing with idle time, as a private queue's price
+        return -0.05 * (now - block.last_access) - 0.5
+
+    index = PriceIndex(shared_log_p, lambda key: models[key[1]] if key[1] >= 0 else None)
+    indexed: dict[int, tuple[int, tuple]] = {}  # block id -> (tick, key)
+    blocks: dict[int, BlockInfo] = {}
+    next_tick, first_tick, now, version, popped = 10_000, 10_000, 0.0, 0, 0
+
+    def add(block_id, tick):
+        block = BlockInfo(block_id, ("h", block_id), None, 0, None, 1, "chat", "s",
+                          tick // 3 * 0.25, tick, None)  # groups of 3 share their access
+        block.last_access = tick // 3 * 0.25
+        key = ("chat", rng.choice([0, 1, 2, -1]), float(rng.randrange(2)))
+        index.add(block, key, key[2])
+        blocks[block_id], indexed[block_id] = block, (tick, key)
+
+    def expected(now):
+        heads = {}
+        for block_id, (tick, key) in indexed.items():
+            if key not in heads or tick < heads[key][0]:
+                heads[key] = (tick, block_id)
+        return min(((index.entry_log_price(index.entry(b), now), tick, b)
+                    for tick, b in heads.values()), default=(None, None, None))[2]
+
+    for step in range(4000):
+        op = rng.random()
+        free = [b for b in range(300) if b not in indexed]
+        if op < 0.35 and free:
+            if rng.random() < 0.6:
+                next_tick += 1
+                tick = next_tick  # the newest: to the back
+            else:
+                first_tick -= rng.randint(1, 2)
+                tick = first_tick  # older than all: the front, as a victim's parent
+            add(rng.choice(free), tick)
+        elif op < 0.45 and indexed:
+            block_id = rng.choice(list(indexed))
+            index.remove(block_id)
+            del indexed[block_id]
+        elif op < 0.5:
+            now += rng.choice([0.25, 1.0, 10.0])
+        elif op < 0.53:
+            tb = rng.randrange(3)  # a learner sync: a model changes, the version moves on
+            models[tb].set(rng.uniform(0.05, 0.95), rng.uniform(1.0, 100.0), 60.0)
+            version += 1
+        elif indexed:
+            want = expected(now)
+            got = index.cheapest_entry(now, version, pop=True)[2]
+            assert got == want, (step, got, want)
+            del indexed[got]
+            popped += 1
+            parent = rng.choice(free) if free and rng.random() < 0.7 else None
+            if parent is not None:  # the victim's parent, older than every other entry
+                first_tick -= 1
+                add(parent, first_tick)
+    assert popped > 1000 and index.evaluations > popped
 
 
 def test_learner_tables_hold_the_models_it_hands_out():

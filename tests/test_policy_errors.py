@@ -16,8 +16,8 @@ from kvevict import LRU, BlockPool, KVCacheManager, ManualClock, PolicyError, Re
 from kvevict.errors import KVEvictError, OutOfBlocks
 from kvevict.policies.base import ScoredPolicy
 
-EVENTS = ("on_begin", "on_insert", "on_hit", "on_candidate", "on_uncandidate", "on_evict",
-          "victim", "pop_victim", "on_finish")
+EVENTS = ("on_begin", "on_insert", "on_hit", "on_hits", "on_candidate", "on_uncandidate",
+          "on_evict", "victim", "pop_victim", "on_finish")
 
 
 class Boom(RuntimeError):
@@ -54,6 +54,9 @@ class Flaky(LRU):
 
     def on_hit(self, block, now):
         self._maybe("on_hit")
+
+    def on_hits(self, request, hits, now):
+        self._maybe("on_hits")
 
     def on_candidate(self, block, now):
         self._maybe("on_candidate")
@@ -110,7 +113,8 @@ def _fill(m, clock):
     assert m.num_free_blocks == 0 and m.num_candidates == 3
 
 
-@pytest.mark.parametrize("event", ["on_begin", "on_insert", "on_hit", "on_uncandidate"])
+@pytest.mark.parametrize("event", ["on_begin", "on_insert", "on_hit", "on_hits",
+                                   "on_uncandidate"])
 def test_begin_is_rolled_back_when_an_event_raises(event):
     policy = Flaky()
     m, clock = _manager(policy)
@@ -130,6 +134,34 @@ def test_begin_is_rolled_back_when_an_event_raises(event):
     assert _state(m) == before  # nothing started, nothing cached, the same candidates
     m.begin(_req("b", [1, 1, 2, 2, 3, 3]))  # the policy works again: so does the manager
     assert m.sequence("b").num_cached_tokens == 4
+    m.check()
+
+
+@pytest.mark.parametrize("event", ["on_hit", "on_hits", "on_insert"])
+def test_resume_is_rolled_back_when_an_event_raises(event):
+    """A resume's hits come with ``on_hit`` per block and one ``on_hits``; a raise in either
+    (or in ``on_insert`` of a block it caches again) leaves the sequence preempted, the
+    cache as it was, and the manager able to resume it later."""
+    policy = Flaky()
+    m, clock = _manager(policy, num_blocks=8)
+    m.begin(_req("a", [1, 1, 2, 2, 3]))  # caches two blocks, one partial
+    m.begin(_req("b", [1, 1, 5, 5]))  # shares block 0 of a's chain
+    m.preempt("a")  # a's block 1 becomes a candidate, block 0 stays b's
+    if event == "on_insert":
+        m.evict(1)  # a's block 1 goes: the resume caches it again
+    before = _state(m)
+    policy.fail = {event}
+    clock.advance(1)
+    with pytest.raises(PolicyError) as info:
+        m.resume("a")
+    err = info.value
+    assert err.event == event and err.policy is policy and isinstance(err.__cause__, Boom)
+    assert (err.block_id is None) == (event == "on_hits")
+    m.check()
+    assert _state(m) == before and m.sequence("a").status == "preempted"
+    seq = m.resume("a")  # the policy works again: so does the resume
+    assert seq.status == "running" and seq.num_cached_tokens == (2 if event == "on_insert"
+                                                                 else 4)
     m.check()
 
 

@@ -10,6 +10,7 @@ carry the block's read-only `BlockInfo` (its ``parent`` record too) and the cloc
 | ``on_begin(request, hits, new, now)`` | a request began: its hits, the blocks it cached | no-op |
 | ``on_insert(block, now)`` | a full block became cached (in use, no candidate yet) | no-op |
 | ``on_hit(block, now)`` | a prefix lookup reused it (decode appends are not hits) | no-op |
+| ``on_hits(request, hits, now)`` | a begin or resume reused these blocks (after on_hit) | no-op |
 | ``on_candidate(block, now)`` | it entered the candidate set (cached, ref 0, leaf) | required |
 | ``on_uncandidate(block, now)`` | it left the candidate set without being evicted | required |
 | ``on_evict(block, now)`` | the manager evicts it (no separate ``on_uncandidate``) | required |
@@ -47,7 +48,8 @@ __all__ = [
 class Policy(abc.ABC):
     """Base of residency policies. Subclasses implement the candidate index and `victim`.
 
-    The no-op ``on_insert`` / ``on_hit`` are there so a policy only overrides what it uses.
+    The no-op hooks (``on_begin``, ``on_insert``, ``on_hit``, ``on_hits``, ``on_finish``) are
+    there so a policy only overrides what it uses; the manager never calls one left as it is.
     """
 
     #: Registry name, set by `register_policy`.
@@ -76,6 +78,13 @@ class Policy(abc.ABC):
 
     def on_hit(self, block: BlockInfo, now: float) -> None:
         """A prefix lookup reused ``block``."""
+
+    def on_hits(self, request: Request, hits: Sequence[BlockInfo], now: float) -> None:
+        """A prefix lookup of ``request`` (its `begin`, or a `resume` after a preemption)
+        reused ``hits``, its cached prefix in chain order (not empty): every one of them is
+        stamped already, and each had its ``on_hit``. Sent before the request's new blocks
+        are cached, so a policy that batches its hit work here sees the same state as per
+        block in ``on_hit``."""
 
     def on_finish(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
         """``request`` finished; ``blocks`` are the cached blocks it held, in order (empty if

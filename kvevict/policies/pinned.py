@@ -78,6 +78,9 @@ class RefcountPinned(Policy):
     def on_hit(self, block: BlockInfo, now: float) -> None:
         self.inner.on_hit(block, now)
 
+    def on_hits(self, request: Request, hits: Sequence[BlockInfo], now: float) -> None:
+        self.inner.on_hits(request, hits, now)
+
     def on_candidate(self, block: BlockInfo, now: float) -> None:
         until = self.protected_until(block)
         if until > now:

@@ -30,11 +30,11 @@ pool). Retention hints are not priced: wrap the market in ``pinned`` or use `man
 **Defaults** per class are in `DEFAULT_CLASS_PARAMS` (sources in the comment above it and in
 docs/policies/market.md); every one of them is corrected online.
 
-**Turns.** The policy sees blocks, not requests: a session begins a turn when it hits a cached
-block, or inserts its block 0 (nothing was cached), at a time it had not begun at before. A
-later chunk of a chunked prefill inserts deeper blocks only and is not a turn; a resume after a
-preemption that hits its prefix is (indistinguishable from a begin). Requests without a
-session id are all first turns and teach nothing.
+**Turns.** A session begins a turn when a request of it hits cached blocks (one ``on_hits``
+per begin or resume), or inserts its block 0 (nothing was cached), at a time it had not begun
+at before. A later chunk of a chunked prefill inserts deeper blocks only and is not a turn; a
+resume after a preemption that hits its prefix is (its hits come as a begin's do). Requests
+without a session id are all first turns and teach nothing.
 
 **Learned online.** Each turn of a session is a trial: it succeeds when the session begins
 another turn (its gap, from its last release to the new begin, is a reuse-gap sample) and fails

@@ -47,7 +47,8 @@ class RecencyQueue:
     ``model`` is None for a shared queue (priced per block by the sharer union).
     """
 
-    __slots__ = ("items", "key", "late", "log_c", "model", "n", "newest", "shared")
+    __slots__ = ("items", "key", "late", "log_c", "model", "n", "newest", "price",
+                 "priced_access", "priced_stamp", "shared")
 
     def __init__(self, key: tuple, model: ReuseModel | None, log_c: float) -> None:
         self.key = key
@@ -58,6 +59,11 @@ class RecencyQueue:
         self.late: list[tuple] = []  # heap of the entries added between the deque's ends
         self.newest = -1  # tick of the deque's last entry
         self.n = 0  # live entries
+        # private queue: the last head price computed (``price``), for a head last accessed
+        # at ``priced_access``, valid while the index's stamp is ``priced_stamp``
+        self.price = 0.0
+        self.priced_access = math.nan
+        self.priced_stamp = -1
 
 
 class PriceIndex:
@@ -70,18 +76,25 @@ class PriceIndex:
         self.evaluations = 0
         #: every queue made so far by key (an emptied one is kept for its key's next block)
         self.queues: dict[tuple, RecencyQueue] = {}
-        #: queues holding at least one candidate
-        self.nonempty = 0
+        #: the queues holding at least one candidate (what a new clock time reprices)
+        self.active: dict[RecencyQueue, None] = {}
         self.live: dict[int, tuple] = {}
         self._seq = 0
         # head-price cache for one clock time and learner version
         self._hc: list[tuple] = []
         self._hc_now: float | None = None
         self._hc_version = -1
+        self._stamp = 0  # moves on with every rebuild of the head-price heap
+        self._dead_top = False  # the heap's top is the price of the entry popped last
         self._dirty: set[RecencyQueue] = set()
 
     def __len__(self) -> int:
         return len(self.live)
+
+    @property
+    def nonempty(self) -> int:
+        """Queues holding at least one candidate."""
+        return len(self.active)
 
     def entry(self, block_id: int) -> tuple | None:
         """The live entry of ``block_id``, or None."""
@@ -94,35 +107,38 @@ class PriceIndex:
         q = self.queues.get(key)
         if q is None:
             q = self.queues[key] = RecencyQueue(key, self.model_of(key), log_c)
-        self._seq += 1
         block_id = block.block_id
-        tick = block.last_access_tick
-        entry = (tick, self._seq, block_id, block, q)
         live = self.live
-        if block_id in live:  # defensive: a repeated on_candidate replaces the old entry
-            self.remove(block_id)
-        live[block_id] = entry
-        q.n += 1
-        if q.n == 1:
-            self.nonempty += 1
+        self._seq = seq = self._seq + 1
+        tick = block.last_access_tick
+        entry = (tick, seq, block_id, block, q)
+        if live.setdefault(block_id, entry) is not entry:  # defensive: a repeated
+            self.remove(block_id)  # on_candidate replaces the old entry
+            live[block_id] = entry
+        n = q.n = q.n + 1
         items = q.items
-        if not items or tick > q.newest:  # the newest: to the back
+        if n == 1:  # an empty queue (an emptied one keeps no dead entries): the head
+            self.active[q] = None
+            items.append(entry)
+            q.newest = tick
+            self._dirty.add(q)
+            return
+        if items and tick < items[0][0]:  # older than the deque: the front
+            items.appendleft(entry)
+            if not q.late:  # older than every entry: the new head (the usual case: the
+                self._dirty.add(q)  # parent of a victim)
+                return
+        elif not items or tick > q.newest:  # the newest: to the back
             items.append(entry)
             q.newest = tick
             first = items[0]
             if first is not entry and live.get(first[2]) is first:
-                return  # a live entry ahead of it: not the head (the usual case)
-        elif tick < items[0][0] and not q.late:  # older than all: the front, the head
-            items.appendleft(entry)
-            self._dirty.add(q)
-            return
-        elif tick < items[0][0]:
-            items.appendleft(entry)
+                return  # a live entry ahead of it: not the head
         else:
             heapq.heappush(q.late, entry)
         if self._head(q) is entry:  # the new head (the queue's price changes)
             self._dirty.add(q)
-        if len(items) + len(q.late) > 2 * q.n + 64:
+        if len(items) + len(q.late) > 2 * n + 64:
             self._compact(q)
 
     def _compact(self, q: RecencyQueue) -> None:
@@ -137,28 +153,36 @@ class PriceIndex:
 
     def remove(self, block_id: int) -> None:
         """Forget ``block_id`` (no-op if it is not indexed)."""
-        live = self.live
-        entry = live.get(block_id)
-        if entry is None:
-            return
+        entry = self.live.get(block_id)
+        if entry is not None:
+            self._unlink(entry)
+
+    def _unlink(self, entry: tuple) -> None:
+        """Forget the live ``entry``: it leaves its queue's head at once (the queue is
+        repriced at the next victim), or stays in place, dead, until it reaches the head."""
         q = entry[4]
         items = q.items
         if items and items[0] is entry and not q.late:  # the head (a victim, usually)
             items.popleft()
             self._dirty.add(q)
-        elif self._head(q) is entry:
-            if items and items[0] is entry:
-                items.popleft()
-            else:
-                heapq.heappop(q.late)
-            self._dirty.add(q)
-        del live[block_id]
+            head = True
+        else:
+            head = self._head(q) is entry
+            if head:
+                if items and items[0] is entry:
+                    items.popleft()
+                else:
+                    heapq.heappop(q.late)
+                self._dirty.add(q)
+        del self.live[entry[2]]
         q.n -= 1
         if q.n == 0:
-            items.clear()
-            q.late.clear()
-            self.nonempty -= 1
-        elif len(items) + len(q.late) > 2 * q.n + 64:
+            if items:
+                items.clear()
+            if q.late:
+                q.late.clear()
+            del self.active[q]
+        elif not head and len(items) + len(q.late) > 2 * q.n + 64:  # dead entries left
             self._compact(q)
 
     # -- prices ----------------------------------------------------------------------------
@@ -203,65 +227,102 @@ class PriceIndex:
 
     def cheapest_id(self, now: float, version: int) -> int | None:
         """The block id of the cheapest candidate at ``now`` (prices of learner ``version``)."""
+        entry = self.cheapest_entry(now, version)
+        return None if entry is None else entry[2]
+
+    def cheapest_entry(self, now: float, version: int, pop: bool = False) -> tuple | None:
+        """The live entry of the cheapest candidate at ``now`` (prices of learner
+        ``version``), or None; with ``pop`` it is forgotten, as by `remove`.
+
+        The top of the head-price heap of ``(log price, tick, seq, entry)``, once the heap is
+        up to date: at a new clock time or learner version every non-empty queue's head is
+        priced again; otherwise only the queues whose head changed (after an eviction, the
+        victim's). Private heads are priced inline (`entry_log_price` without a call); a
+        private queue's price depends on its head only through the head's last access
+        time, so a head last accessed when the one priced before it was (the next block of
+        a chain released at one instant: usually the parent of the victim) takes that
+        price as it is, until the next rebuild.
+
+        A popped entry's price, now dead, stays at the top of the heap. With one queue to
+        reprice, its head's price, when it sorts after that dead top, replaces it (the dead
+        top would be popped first anyway: the same contents), in place when it stays below
+        the top's children (the usual case: the victim's parent, or the next block of its
+        queue), else by one ``heapreplace``."""
         live = self.live
         if not live:
             return None
         hc = self._hc
-        if (now != self._hc_now or version != self._hc_version
-                or len(hc) > 4 * self.nonempty + 64):
+        dirty = self._dirty
+        replace_dead_top = False
+        rebuild = (now != self._hc_now or version != self._hc_version
+                   or len(hc) > 4 * len(self.active) + 64)
+        queues: Iterable[RecencyQueue]
+        if rebuild:
             hc.clear()
-            self._dirty.clear()
-            self._price_heads(self.queues.values(), now)
+            dirty.clear()
+            self._stamp += 1
             self._hc_now, self._hc_version = now, version
-        elif self._dirty:  # the common case after an eviction: reprice the changed heads
-            self._price_heads(self._dirty, now, replace_dead_top=len(self._dirty) == 1)
-            self._dirty.clear()
-        while hc:
-            entry = hc[0][3]
-            if live.get(entry[2]) is entry:
-                return entry[2]
-            heapq.heappop(hc)
-        self._hc_now = None  # cannot happen while candidates exist; rebuild next time
-        return None
-
-    def _price_heads(self, queues: Iterable[RecencyQueue], now: float,
-                     replace_dead_top: bool = False) -> None:
-        """Push ``(log price, tick, seq, entry)`` of the head of each of ``queues`` into the
-        head-price heap (the private ones priced inline: `entry_log_price` without a call).
-
-        With ``replace_dead_top`` (one queue to reprice), an entry that sorts after a dead top
-        replaces it with one ``heapreplace``: `cheapest_id` would pop that top first, so the
-        heap ends up with the same contents."""
-        live = self.live
-        hc = self._hc
-        put = heapq.heappush
-        exp, log1p = math.exp, math.log1p
-        n = 0
-        head = self._head
-        for q in queues:
-            items = q.items
-            entry = items[0] if items else None
-            if entry is None or q.late or live.get(entry[2]) is not entry:
-                if not q.n:
-                    continue
-                entry = head(q)
-                if entry is None:
-                    continue
-            n += 1
-            if q.shared:
-                log_price = q.log_c + self.shared_log_p(entry[3], now)
+            queues = self.active
+        else:
+            queues = dirty
+            replace_dead_top = self._dead_top and len(dirty) == 1
+        self._dead_top = False
+        top = None  # the live entry whose price went to the top in place, if any
+        if queues:
+            stamp = self._stamp
+            n = 0
+            for q in queues:
+                items = q.items
+                entry = items[0] if items else None
+                if entry is None or q.late or live.get(entry[2]) is not entry:
+                    if not q.n:
+                        continue
+                    entry = self._head(q)
+                    if entry is None:
+                        continue
+                n += 1
+                if q.shared:
+                    log_price = q.log_c + self.shared_log_p(entry[3], now)
+                else:
+                    accessed = entry[3].last_access
+                    if accessed == q.priced_access and q.priced_stamp == stamp:
+                        log_price = q.price
+                    else:
+                        m = q.model
+                        z = (now - accessed) * m.r - m.L
+                        sp = (z if z > 35.0 else math.exp(z) if z < -35.0 else
+                              math.log1p(math.exp(z)))
+                        log_price = q.price = q.log_c + m.log_hf - sp
+                        q.priced_access, q.priced_stamp = accessed, stamp
+                item = (log_price, entry[0], entry[1], entry)
+                if rebuild:
+                    hc.append(item)  # made a heap below
+                elif replace_dead_top and hc[0] < item:
+                    size = len(hc)
+                    if (size < 2 or item < hc[1]) and (size < 3 or item < hc[2]):
+                        hc[0] = item
+                        top = entry
+                    else:
+                        heapq.heapreplace(hc, item)
+                else:
+                    heapq.heappush(hc, item)
+            if rebuild:
+                heapq.heapify(hc)
+            self.evaluations += n
+            dirty.clear()
+        if top is None:
+            while hc:
+                top = hc[0][3]
+                if live.get(top[2]) is top:
+                    break
+                heapq.heappop(hc)
             else:
-                m = q.model
-                z = (now - entry[3].last_access) * m.r - m.L
-                sp = z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z))
-                log_price = q.log_c + m.log_hf - sp
-            item = (log_price, entry[0], entry[1], entry)
-            top = hc[0] if replace_dead_top and hc else None
-            if top is not None and top < item and live.get(top[3][2]) is not top[3]:
-                heapq.heapreplace(hc, item)
-            else:
-                put(hc, item)
-        self.evaluations += n
+                self._hc_now = None  # cannot happen while candidates exist: rebuild next
+                return None
+        if pop:
+            self._unlink(top)
+            self._dead_top = True  # its price is the top, until the next call
+        return top
 
     def _sorted_entries(self, q: RecencyQueue) -> Iterator[tuple]:
         """The live entries of ``q`` in queue order, lazily (the deque merged with a walk of

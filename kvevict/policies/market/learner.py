@@ -33,14 +33,16 @@ _MIN_GAP_S = 1e-3
 
 
 class SessionRecord:
-    """What the learner knows of one session: its class, turns so far, the clock time of
-    its last begin and of its last activity, and whether a trial is open."""
+    """What the learner knows of one session: its class, turns so far (and their
+    `turn_bucket`), the clock time of its last begin and of its last activity, and whether a
+    trial is open."""
 
-    __slots__ = ("cls", "last_begin", "last_seen", "pending", "turns")
+    __slots__ = ("bucket", "cls", "last_begin", "last_seen", "pending", "turns")
 
     def __init__(self, cls: str, now: float) -> None:
         self.cls = cls
         self.turns = 1
+        self.bucket = 0  # turn_bucket(turns), kept with it: the hot paths read it
         self.last_begin = now
         self.last_seen = now
         self.pending = False
@@ -86,6 +88,8 @@ class ReuseLearner:
         self.sessions: OrderedDict[Any, SessionRecord] = OrderedDict()
         #: estimates changed since the last version (takes effect at the next new clock time)
         self.version = 0
+        #: moves on whenever a session record may change (`touch`, `reclass`)
+        self.epoch = 0
         self.synced_now: float | None = None
         self._models: dict[tuple[str, int], ReuseModel] = {}
         self._class_models: dict[str, list[tuple[int, ReuseModel]]] = {}  # the same, by class
@@ -207,11 +211,17 @@ class ReuseLearner:
                 rec.pending = False
                 self._observe(rec.cls, turn_bucket(turns), None)
 
+    def reclass(self, rec: SessionRecord, cls: str) -> None:
+        """The session of ``rec`` is of class ``cls`` from now on."""
+        rec.cls = cls
+        self.epoch += 1
+
     def touch(self, session: Any, cls: str, now: float, own: bool, begins: bool) -> None:
         """Session ``session`` is active at ``now``; ``begins``: the event marks a begin, a new
         turn unless the session already began at ``now``. ``own``: ``cls`` is its own class."""
         if session is None:
             return
+        self.epoch += 1
         if begins and now != self.synced_now:
             self.sync(now)  # expire old trials even if nothing is ever evicted
         sessions = self.sessions
@@ -233,6 +243,7 @@ class ReuseLearner:
             rec.pending = False
             self._observe(rec.cls, turn_bucket(rec.turns), now - rec.last_seen)
         rec.turns += 1
+        rec.bucket = turn_bucket(rec.turns)
         rec.last_begin = rec.last_seen = now
         sessions.move_to_end(session)
         if self.learn:

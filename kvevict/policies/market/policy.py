@@ -15,7 +15,7 @@ index's candidates, and prices shared blocks (the union over their tracked share
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -27,17 +27,15 @@ from kvevict.policies.market.index import PriceIndex
 from kvevict.policies.market.learner import ReuseLearner
 from kvevict.policies.market.price import (
     DEFAULT_CLASS_PARAMS,
-    NUM_TURN_BUCKETS,
     ClassEstimate,
     ClassParams,
     CostBuckets,
     Quote,
     ReuseModel,
     is_number,
-    turn_bucket,
     union_log_p,
 )
-from kvevict.types import BlockInfo
+from kvevict.types import BlockInfo, Request
 
 __all__ = ["Market"]
 
@@ -151,13 +149,15 @@ class Market(Policy):
         self._log_c_at: dict[int, float] = {}  # depth -> log cost per byte, at _log_c_nbytes
         self._log_c_nbytes: int | None = None
         self._index_add, self._index_remove = self.index.add, self.index.remove
+        self._cheapest_entry = self.index.cheapest_entry
         self._sessions = self.learner.sessions
-        # (session, now) of the last hit that went through the learner: the following hits
-        # of the same request need nothing from it (see on_hit)
-        self._hit_session: Any = _NOBODY
-        self._hit_now: float | None = None
         # block id -> [block, its most recent sharers]; at most one entry per pool block
         self._sharer_log: dict[int, list] = {}
+        # moves on whenever a sharer log may change (a request's hits)
+        self._log_epoch = 0
+        # the last union: (now, learner version and epoch, log epoch, class, log, log P)
+        self._last_union: tuple = (None, -1, -1, -1, None, None, 0.0)
+        self._forget_sharers = self._sharer_log.pop
 
     # -- parameters ------------------------------------------------------------------------
 
@@ -188,38 +188,39 @@ class Market(Policy):
     # -- events ----------------------------------------------------------------------------
 
     def on_insert(self, block: BlockInfo, now: float) -> None:
-        # A begin either hits (on_hit) or, when nothing is cached, inserts block 0 first; a
+        # A begin either hits (on_hits) or, when nothing is cached, inserts block 0 first; a
         # later chunk of a chunked prefill inserts deeper blocks only, and is not a new turn.
         if block.created_by != "prefill":
             return
-        session = block.session
-        rec = self._sessions.get(session)
-        depth = block.depth
-        if rec is not None and (depth or rec.last_begin == now):
-            rec.cls = block.workload_class
+        rec = self._sessions.get(block.session)
+        if rec is not None and (block.depth or rec.last_begin == now):
+            if rec.cls != block.workload_class:
+                self.learner.reclass(rec, block.workload_class)
             return
-        self._hit_session = _NOBODY  # a record may be created or forgotten
-        self.learner.touch(session, block.workload_class, now, True, depth == 0)
+        self.learner.touch(block.session, block.workload_class, now, True, block.depth == 0)
 
-    def on_hit(self, block: BlockInfo, now: float) -> None:
-        session = block.last_hit_session
-        if session is not self._hit_session or now != self._hit_now:
-            # The first hit of a request begins the session's turn (the learner's touch);
-            # after it the session's record has begun at ``now``, so the request's other
-            # hits would not touch again, until another touch creates or drops a record.
-            rec = self._sessions.get(session)
-            if rec is None or rec.last_begin != now:
-                self.learner.touch(session, block.workload_class, now, False, True)
-            self._hit_session, self._hit_now = session, now
-        if block.num_sharers > 1:
-            tracked = self._sharer_log.get(block.block_id)
-            if tracked is None or tracked[0] is not block:
-                self._sharers_of(block)
-            else:
-                log = tracked[1]
-                log[session] = now
-                if len(log) > 2 * self.max_sharers:  # keep the most recent, amortized O(1)
-                    tracked[1] = self._most_recent(log)
+    def on_hits(self, request: Request, hits: Sequence[BlockInfo], now: float) -> None:
+        # A request's hits (begin or resume) begin the session's turn, under the class of
+        # the first hit block (the learner's touch; none if the session began at ``now``),
+        # and make it a recent sharer of each shared hit block. Sent before the request's
+        # new blocks are cached (on_insert), as the per-block hits were.
+        self._log_epoch += 1
+        session = request.session_id
+        rec = self._sessions.get(session)
+        if rec is None or rec.last_begin != now:
+            self.learner.touch(session, hits[0].workload_class, now, False, True)
+        sharer_log = self._sharer_log
+        limit = 2 * self.max_sharers
+        for block in hits:
+            if block.num_sharers > 1:
+                tracked = sharer_log.get(block.block_id)
+                if tracked is None or tracked[0] is not block:
+                    self._sharers_of(block)
+                else:
+                    log = tracked[1]
+                    log[session] = now
+                    if len(log) > limit:  # keep the most recent, amortized O(1)
+                        tracked[1] = self._most_recent(log)
 
     def _most_recent(self, sharers: dict[Any, float]) -> dict[Any, float]:
         if len(sharers) <= self.max_sharers:
@@ -242,7 +243,7 @@ class Market(Policy):
         if block.num_sharers > 1:
             return None, log_c
         rec = self._sessions.get(block.session)
-        tb = turn_bucket(rec.turns) if rec is not None else 0
+        tb = rec.bucket if rec is not None else 0
         return self.learner.model(block.workload_class, tb), log_c
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
@@ -252,15 +253,10 @@ class Market(Policy):
             tb = -((k - 1).bit_length())  # sharer bucket: 2, 3-4, 5-8, ...
         else:
             rec = self._sessions.get(block.session)
-            if rec is None:
-                tb = 0
-            else:
-                turns = rec.turns
-                tb = 0 if turns < 2 else min(NUM_TURN_BUCKETS - 1, turns.bit_length() - 1)
+            tb = 0 if rec is None else rec.bucket
         if rec is not None and block.last_access == now:
             rec.last_seen = now  # a release: the session's idle time starts here
-        depth = block.depth
-        log_c = self._log_c_at.get(depth) if block.nbytes == self._log_c_nbytes else None
+        log_c = self._log_c_at.get(block.depth) if block.nbytes == self._log_c_nbytes else None
         if log_c is None:
             log_c = self._log_c_of(block)
         self._index_add(block, (block.workload_class, tb, log_c), log_c)
@@ -296,17 +292,36 @@ class Market(Policy):
         `union_log_p` of the sharers' ``log q``. When every sharer is tracked, in one pass
         with the same operations in the same order (so the same float): the sharers' models
         come from the learner's per-class tables, looked up again only when the class or
-        turn bucket changes from one sharer to the next.
+        turn bucket changes from one sharer to the next. The blocks of a shared chain have
+        the same sharers at the same times: a union whose inputs are those of the last one
+        (the clock, the learner's version and session records, the sharer log in order, the
+        class) is that one's.
         """
         log = self._sharers_of(block)
         n = len(log)
         if not n or block.num_sharers > n:  # none, or some untracked: the general union
             return self._union_of(block, log, now)
+        learner = self.learner
+        cls0 = block.workload_class
+        last = self._last_union
+        if (now == last[0] and learner.version == last[1] and learner.epoch == last[2]
+                and self._log_epoch == last[3] and cls0 == last[4] and log == last[5]
+                and list(log) == list(last[5])):
+            return last[6]  # the same sharers at the same times (the next block of a chain)
+        log_p = self._union_pass(log, cls0, now)
+        if log_p is None:
+            log_p = self._union_of(block, log, now)
+        self._last_union = (now, learner.version, learner.epoch, self._log_epoch, cls0, log,
+                            log_p)
+        return log_p
+
+    def _union_pass(self, log: dict[Any, float], cls0: str, now: float) -> float | None:
+        """`_shared_log_p` over tracked sharers in one pass; None when every odds underflowed
+        (then the general union sums them)."""
         sessions_get = self._sessions.get
         tables = self.learner.tables
         model = self.learner.model
         exp, log1p = math.exp, math.log1p
-        cls0 = block.workload_class
         total = 0.0
         certain = False  # some q >= 1: the union is 1
         m_cls: Any = _NOBODY
@@ -317,10 +332,7 @@ class Market(Policy):
             if rec is None:
                 cls, tb = cls0, 0
             else:
-                cls = rec.cls
-                turns = rec.turns
-                tb = (0 if turns < 2 else 1 if turns < 4 else 2 if turns < 8 else
-                      3 if turns < 16 else 4)  # turn_bucket, inlined
+                cls, tb = rec.cls, rec.bucket
             if tb != m_tb or cls != m_cls:
                 table = tables.get(cls)
                 m = table[tb] if table is not None else None
@@ -331,13 +343,13 @@ class Market(Policy):
             z = (now - t) * r - big_l  # m.log_q(now - t), inlined
             q = exp(log_hf - (z if z > 35.0 else exp(z) if z < -35.0 else log1p(exp(z))))
             if q >= 1.0:
-                certain = True
-            elif not certain:
+                certain = True  # the union is 1 (what follows is not used)
+            else:
                 total += log1p(-q)
         if certain:
             return 0.0
         p = -math.expm1(total)
-        return math.log(p) if p > 0.0 else self._union_of(block, log, now)
+        return math.log(p) if p > 0.0 else None
 
     def _union_of(self, block: BlockInfo, log: dict[Any, float], now: float) -> float:
         """`union_log_p` over the tracked sharers ``log`` of ``block``, the untracked ones
@@ -348,8 +360,7 @@ class Market(Policy):
         oldest, oldest_t = 0, math.inf
         for session, t in log.items():
             rec = sessions.get(session)
-            m = (model(block.workload_class, 0) if rec is None
-                 else model(rec.cls, turn_bucket(rec.turns)))
+            m = model(block.workload_class, 0) if rec is None else model(rec.cls, rec.bucket)
             if t < oldest_t:
                 oldest, oldest_t = len(log_qs), t
             log_qs.append(m.log_q(now - t))
@@ -387,6 +398,17 @@ class Market(Policy):
         if now != learner.synced_now:
             learner.sync(now)
         return self.index.cheapest_id(now, learner.version)
+
+    def pop_victim(self, now: float) -> int | None:
+        learner = self.learner
+        if now != learner.synced_now:
+            learner.sync(now)
+        entry = self._cheapest_entry(now, learner.version, True)
+        if entry is None:
+            return None
+        block_id = entry[2]
+        self._forget_sharers(block_id, None)
+        return block_id
 
     def cheapest(self, k: int, now: float) -> list[Quote]:
         """Quotes of the ``k`` candidates `victim` would take next at ``now``, cheapest first.
