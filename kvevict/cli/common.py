@@ -119,9 +119,14 @@ _INT_FLAGS: dict[str, tuple[int, str]] = {
     "repeats": (1, "timed calls per point"),
     "block_size": (1, "tokens per block"),
     "cache_blocks": (1, "the KV cache size in blocks"),
+    "seeds": (1, "workload seeds"),
+    "jobs": (1, "worker processes"),
+    "gpus": (1, "GPUs in the tensor-parallel group"),
 }
 #: Float flags that must be positive and finite: destination -> what the value is.
-_POSITIVE_FLAGS = {"duration": "seconds of generated trace", "scale": "a rate multiplier"}
+_POSITIVE_FLAGS = {"duration": "seconds of generated trace", "scale": "a rate multiplier",
+                   "rate_scale": "a request-rate multiplier",
+                   "target_load": "the offered load to aim at"}
 #: Integer-list flags: destination -> least value of each entry.
 _INT_LIST_FLAGS = {"prefill_lengths": 1, "cached_lengths": 0, "decode_batches": 1,
                    "decode_contexts": 0}

@@ -224,10 +224,6 @@ def engine_bench_command(args: argparse.Namespace) -> int:
     if args.run_repeats < 1:
         raise ConfigError(f"--repeats (engine runs per policy) must be a positive int, got "
                           f"{args.run_repeats}")
-    if args.seeds < 1:
-        raise ConfigError(f"--seeds (workload seeds) must be a positive int, got {args.seeds}")
-    if args.block_size < 1:
-        raise ConfigError(f"--block-size must be a positive int, got {args.block_size}")
     if args.cold_requests < 0:
         raise ConfigError(f"--cold-requests must be >= 0, got {args.cold_requests}")
     if not 0 < args.load <= 10:

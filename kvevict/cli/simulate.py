@@ -176,22 +176,13 @@ def _source(args: argparse.Namespace) -> tuple[Any, str, int | None]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.block_size is not None and args.block_size <= 0:
-        raise ConfigError(f"--block-size must be a positive int, got {args.block_size}")
+    """The checks that span flags or read the file system (single values are checked by
+    `kvevict.cli.common.check_flags` before the command runs)."""
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ConfigError(f"--out {args.out} exists and is not a directory")
-    if args.seeds is not None and args.seeds < 1:
-        raise ConfigError(f"--seeds must be a positive int, got {args.seeds}")
     if args.seeds is not None and args.seeds > 1 and args.trace is not None:
         raise ConfigError(f"--seeds {args.seeds}: a trace file is one sample (seeds shape a "
                           "generated workload); drop --seeds or use --workload")
-    if args.jobs is not None and args.jobs < 1:
-        raise ConfigError(f"--jobs must be a positive int, got {args.jobs}")
-    if args.gpus < 1:
-        raise ConfigError(f"--gpus must be a positive int, got {args.gpus}")
-    for flag, value in (("--rate-scale", args.rate_scale), ("--target-load", args.target_load)):
-        if value is not None and not 0 < value < float("inf"):
-            raise ConfigError(f"{flag} must be a positive finite number, got {value}")
     if not args.no_sweep:
         bad = [m for m in args.sweep if not 0 < m < float("inf")]
         if bad or not args.sweep:
