@@ -431,32 +431,30 @@ def simulate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay_interval(replays: list[dict[str, Any]], policy: str, capacity: int | None) -> Any:
+    """``policy``'s token hit ratio in the exact untimed replay at ``capacity`` (None: the
+    infinite cache), mean ± 95% CI over the seeds."""
+    from kvevict.stats import interval
+
+    return interval([r["token_hit_ratio"] for r in replays
+                     if r["policy"] == policy and r["capacity_blocks"] == capacity])
+
+
 def _headroom_plot(replays: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, Any]]:
     """The headroom plot's inputs, all from the exact untimed replay: LRU's cells by size (each
     with its seed's infinite cache as ``infinite_cache_hit_ratio``), and Belady's token hit
     ratio by size as intervals over the seeds (the plot's exact ceiling)."""
-    from kvevict.stats import interval
-
     infinite = {r["seed"]: r["token_hit_ratio"] for r in replays
                 if r["capacity_blocks"] is None}
     lru = [{**r, "infinite_cache_hit_ratio": infinite[r["seed"]]} for r in replays
            if r["policy"] == "lru" and r["capacity_blocks"] is not None]
     sizes = sorted({r["capacity_blocks"] for r in replays if r["policy"] == "belady"})
-    exact = {c: interval([r["token_hit_ratio"] for r in replays
-                          if r["policy"] == "belady" and r["capacity_blocks"] == c])
-             for c in sizes}
-    return lru, exact
+    return lru, {c: _replay_interval(replays, "belady", c) for c in sizes}
 
 
 def _headroom(replays: list[dict[str, Any]], capacity: int) -> dict[str, Any]:
-    """The exact untimed replay's token hit ratios at the decided size, mean ± 95% CI over
-    the seeds: LRU, the exact Belady oracle, and the infinite cache."""
-    from kvevict.stats import interval
-
-    def of(policy: str, cap: int | None) -> Any:
-        values = [r["token_hit_ratio"] for r in replays
-                  if r["policy"] == policy and r["capacity_blocks"] == cap]
-        return interval(values)
-
-    return {"lru": of("lru", capacity), "belady_exact": of("belady", capacity),
-            "infinite": of("lru", None)}
+    """The exact untimed replay's token hit ratios at the decided size: LRU, the exact Belady
+    oracle, and the infinite cache."""
+    return {"lru": _replay_interval(replays, "lru", capacity),
+            "belady_exact": _replay_interval(replays, "belady", capacity),
+            "infinite": _replay_interval(replays, "lru", None)}
