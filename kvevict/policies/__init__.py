@@ -10,6 +10,7 @@ from kvevict.policies.base import (
 from kvevict.policies.bayes import BayesReuse
 from kvevict.policies.belady import Belady
 from kvevict.policies.dbms import DBMS
+from kvevict.policies.learned import LearnedReuse
 from kvevict.policies.lfu import LFU
 from kvevict.policies.lru import LRU
 from kvevict.policies.market import Market, MarketAdmission
@@ -19,6 +20,7 @@ __all__ = [
     "DBMS",
     "LFU",
     "LRU",
+    "LearnedReuse",
     "BayesReuse",
     "Belady",
     "Market",

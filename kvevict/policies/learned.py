@@ -1,0 +1,432 @@
+"""`learned`: evict the candidate whose learned odds of reuse, times its recompute cost per
+byte, is lowest; conversations and turns inferred from the prefix tree when requests carry
+no session id.
+
+Three parts, each learned online from what the cache observes and nothing else:
+
+- **Conversations** (`ConversationTracker`). A request with a session id continues that
+  session. A request without one (Mooncake's and Alibaba's traces, most servers' traffic)
+  continues an earlier request's conversation when its cache hit runs past the shared blocks
+  into that request's private chain: the hit ends on a block that request created (its
+  prompt's new blocks or its decoded answer), that nobody else has reused, and at or past the
+  end of that request's prompt (a partial last block of a block-id trace excepted). Anything
+  else (no hit, a hit that ends in a widely shared prefix or inside someone's prompt) starts a
+  new conversation. It sees only what the cache holds: a conversation whose private blocks
+  were evicted, or whose turn cached no block of its own, starts again at turn 1.
+- **The reuse table** (`ReuseTable`). Each block a request held opens a *trial* when the
+  request finishes, filed under the block's feature cell (below). The trial succeeds when the
+  same content is used again within ``H`` seconds (a hit, or a miss that caches the same
+  block hash again: a reuse the cache did not serve still counts, so eviction does not censor
+  the label), and fails once ``H`` seconds pass without one. Per cell, the estimate is the
+  decayed success rate with a Beta prior of ``prior_weight`` pseudo-trials at the pooled rate
+  of all cells, so a new cell starts at the average and, before anything is learned, every
+  cell is equal (the policy is then exactly LRU). Counts decay by ``1 - 1/memory`` per
+  observation, so the table follows drift. A trial is resolved only by an event at or after
+  its end, so no estimate at time ``t`` uses anything after ``t``.
+- **The horizon** ``H``: the cache's characteristic time (Che, Tung and Wang, "Hierarchical
+  Web caching systems: modeling, design and experimental results", IEEE JSAC 2002): how long
+  an idle block survives here, estimated as the moving mean of the idle time of evicted blocks
+  (weight 1/100 per eviction). A reuse later than ``H`` would not have been served anyway, so
+  it is what "reuse" means for this cache. Before the first eviction it is 60 s (the market's
+  horizon; it only matters once something is evicted).
+
+**Features** of a block (its cell), read when the request that used it last finishes: its
+prefix-hit count (0, 1, 2+: most blocks used once are never used again, the observation
+behind S3-FIFO, Yang et al., SOSP'23), the log2 bucket of that request's output length
+(learned conversation continuation: LPC, NeurIPS'25, predicts a continuation from the
+response), the inferred turn (1, 2, 3+), the workload class, and the log2 bucket of the
+block's depth.
+
+**Price.** ``p(cell) * H / (H + idle) * cost / bytes``: the learned odds, discounted by the
+idle time (a block idle for ``H`` is worth half a fresh one of the same cell), times the
+block's recompute seconds per byte (`kvevict.policies.market.price.CostBuckets`, as the
+market prices it). The lowest price goes first; ties go to the least recently used.
+
+**Index.** A candidate is priced once, when it becomes one (or, for the blocks a request
+releases, when its ``on_finish`` gives their features), into a heap keyed by
+``log(p * cost / bytes) - log(H + now - last_access)``, written so that it does not change with
+``now``: ``log(p * cost / bytes) + (last_access - t0) / H`` with the discount taken as
+``exp(-idle / H)`` between repricings (the two agree to first order). The heap is rebuilt with
+the current estimates and ``H`` once as many evictions as there are candidates have happened
+since the last rebuild (amortized O(log n) per eviction): prices are at most that stale.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from typing import Any
+
+from kvevict.cost import CostModel
+from kvevict.errors import ConfigError
+from kvevict.policies.base import Policy, register_policy
+from kvevict.policies.market.price import CostBuckets, is_number
+from kvevict.types import BlockInfo, Request
+
+__all__ = ["ConversationTracker", "LearnedReuse", "ReuseTable"]
+
+#: Horizon (seconds) before the first eviction: the market's default horizon.
+INITIAL_HORIZON_S = 60.0
+#: Weight of one eviction in the moving mean of evicted idle times (about 100 evictions).
+HORIZON_WEIGHT = 0.01
+
+
+class ConversationTracker:
+    """Conversations and turns: from session ids where requests carry them, else inferred from
+    where each request's cache hit ends (see the module docstring).
+
+    Every cached block a request created (its prompt's new blocks, its decoded answer) is
+    filed under that request's conversation and turn. `begin` names the conversation and
+    turn of a request whose hit is ``hits``: when the hit ends on a block one earlier request
+    created and nobody else has reused (its only hit is this one), the request continues that
+    request's conversation; `finish` files the blocks the request held; `forget` drops an
+    evicted block.
+    """
+
+    def __init__(self, max_conversations: int = 100_000) -> None:
+        if isinstance(max_conversations, bool) or not isinstance(max_conversations, int) \
+                or max_conversations < 1:
+            raise ConfigError(f"max_conversations must be an int >= 1, got "
+                              f"{max_conversations!r}")
+        self.max_conversations = max_conversations
+        #: cached block id -> (conversation key, turn) of the request that created it, and
+        #: the depth a hit must reach to have covered that request's prompt
+        self.owner: dict[int, tuple[Any, int, int]] = {}
+        #: session id -> turns so far (least recently begun first)
+        self.sessions: OrderedDict[Any, int] = OrderedDict()
+        self._next = 0
+
+    def begin(self, request: Request, hits: Sequence[BlockInfo],
+              new: Sequence[BlockInfo] = (), block_size: int | None = None) -> tuple[Any, int]:
+        """(conversation key, turn) of ``request``, turn 1 for a new conversation; files
+        ``new`` (the blocks it cached) under it. ``block_size`` (tokens per block) tells a
+        partial last block of a request given as block ids."""
+        session = request.session_id
+        if session is not None:
+            turn = self.sessions.pop(session, 0) + 1
+            self.sessions[session] = turn
+            if len(self.sessions) > self.max_conversations:
+                self.sessions.popitem(last=False)
+            conv: tuple[Any, int] = (("session", session), turn)
+        else:
+            found = None
+            if hits:
+                end = hits[-1]
+                if end.hit_count <= 1:  # private: this request's hit is its only one
+                    found = self.owner.get(end.block_id)
+                    if found is not None and end.depth < found[2]:
+                        found = None  # it stops inside that prompt: a shared prefix
+            if found is not None:
+                conv = (found[0], found[1] + 1)
+            else:
+                self._next += 1
+                conv = (("inferred", self._next), 1)
+        # a next turn covers this prompt's cached blocks, but for a partial last block
+        # (block ids whose prompt ends inside the last block), which it does not repeat
+        n = len(hits) + len(new)
+        hashes = request.block_hashes
+        partial = hashes is not None and request.prompt_len < len(hashes) * (block_size or 1)
+        entry = (conv[0], conv[1], max(n - 1 - int(partial), 0))
+        owner = self.owner
+        for block in new:
+            owner[block.block_id] = entry
+        return conv
+
+    def finish(self, conv: tuple[Any, int], blocks: Sequence[BlockInfo]) -> None:
+        """The request of ``conv`` (key, turn) finished holding ``blocks``: file the ones it
+        created and no one has filed (its decoded answer), reached by any hit through them."""
+        owner = self.owner
+        for block in blocks:
+            if block.block_id not in owner and block.hit_count == 0:
+                owner[block.block_id] = (conv[0], conv[1], block.depth)
+
+    def forget(self, block_id: int) -> None:
+        """``block_id`` left the cache."""
+        self.owner.pop(block_id, None)
+
+
+class ReuseTable:
+    """Per feature cell, the decayed odds that a block is used again within the horizon
+    (see the module docstring: trials, the Beta prior at the pooled rate, the decay)."""
+
+    def __init__(self, prior_weight: float, memory: float) -> None:
+        self.prior_weight = prior_weight
+        self.gamma = 1.0 - 1.0 / memory
+        self.succ: dict[Any, float] = {}
+        self.fail: dict[Any, float] = {}
+        self.total_succ = 1.0  # the pooled prior: one success and one failure
+        self.total_fail = 1.0
+        #: block hash -> (release time, cell) of its open trial
+        self.trials: dict[Any, tuple[float, Any]] = {}
+        self._order: deque[tuple[float, Any]] = deque()  # (release time, hash), oldest first
+        #: observations so far (a version: estimates change only when it moves)
+        self.observations = 0
+
+    def open(self, block_hash: Any, cell: Any, now: float) -> None:
+        """A use of ``block_hash`` ended at ``now``; its block was in ``cell``."""
+        self.trials[block_hash] = (now, cell)
+        self._order.append((now, block_hash))
+
+    def reuse(self, block_hash: Any, now: float, horizon: float) -> None:
+        """``block_hash`` is used again at ``now`` (a hit, or a miss that caches it again)."""
+        trial = self.trials.pop(block_hash, None)
+        if trial is not None:
+            self._observe(trial[1], now - trial[0] <= horizon)
+
+    def expire(self, now: float, horizon: float) -> None:
+        """Fail every open trial older than ``horizon`` at ``now``."""
+        order, trials = self._order, self.trials
+        limit = now - horizon
+        while order and order[0][0] < limit:
+            t0, h = order.popleft()
+            trial = trials.get(h)
+            if trial is not None and trial[0] == t0:
+                del trials[h]
+                self._observe(trial[1], False)
+
+    def _observe(self, cell: Any, success: bool) -> None:
+        g = self.gamma
+        s = self.succ.get(cell, 0.0) * g
+        f = self.fail.get(cell, 0.0) * g
+        self.total_succ *= g
+        self.total_fail *= g
+        if success:
+            s += 1.0
+            self.total_succ += 1.0
+        else:
+            f += 1.0
+            self.total_fail += 1.0
+        self.succ[cell] = s
+        self.fail[cell] = f
+        self.observations += 1
+
+    def p(self, cell: Any) -> float:
+        """P(reuse within the horizon) of a block in ``cell``."""
+        ts, tf = self.total_succ, self.total_fail
+        w = self.prior_weight
+        s = self.succ.get(cell, 0.0)
+        f = self.fail.get(cell, 0.0)
+        return (w * ts / (ts + tf) + s) / (w + s + f)
+
+
+@register_policy("learned")
+class LearnedReuse(Policy):
+    """Evict the candidate with the lowest learned price (see the module docstring).
+
+    Args:
+        cost_model: recompute costs (default: `CostModel()`, Llama-3-8B on an H100).
+        block_size: tokens per block for the cost of a block's depth (None: taken from the
+            first block with token ids, else the manager's block size).
+        prior_weight: pseudo-trials of the pooled rate in each cell's estimate.
+        memory: observations after which old ones weigh ``1/e``.
+        max_conversations: session ids the conversation tracker remembers (inferred
+            conversations live on their cached blocks and need no bound).
+    """
+
+    def __init__(self, cost_model: CostModel | None = None, *, block_size: int | None = None,
+                 prior_weight: float = 8.0, memory: float = 1000.0,
+                 max_conversations: int = 100_000) -> None:
+        if cost_model is None:
+            cost_model = CostModel()
+        if not isinstance(cost_model, CostModel):
+            raise ConfigError(f"cost_model must be a CostModel or None, got "
+                              f"{type(cost_model).__name__}")
+        if block_size is not None and (isinstance(block_size, bool)
+                                       or not isinstance(block_size, int) or block_size < 1):
+            raise ConfigError(f"block_size must be a positive int or None, got {block_size!r}")
+        if not is_number(prior_weight) or not (0 < prior_weight < math.inf):
+            raise ConfigError(f"prior_weight must be a positive finite number, "
+                              f"got {prior_weight!r}")
+        if not is_number(memory) or not (1 < memory <= math.inf):
+            raise ConfigError(f"memory must be a number > 1 (observations; inf: never forget), "
+                              f"got {memory!r}")
+        self.cost_model = cost_model
+        self.block_size = block_size
+        self.prior_weight = float(prior_weight)
+        self.memory = float(memory)
+        self.conversations = ConversationTracker(max_conversations)
+        self.table = ReuseTable(self.prior_weight, self.memory)
+        self.costs: CostBuckets | None = None
+        #: the horizon H (seconds): moving mean of evicted idle times
+        self.horizon = INITIAL_HORIZON_S
+        self._evicted = 0  # evictions so far
+        #: block id -> [output-length bucket, turn]: what its last request said of it
+        self._state: dict[int, list[int]] = {}
+        #: request id -> (conversation key, turn), from begin to finish
+        self._running: dict[Any, tuple[Any, int]] = {}
+        self._heap: list[tuple[float, int, int]] = []  # (key, tick, block id)
+        self._keys: dict[int, tuple[float, int, int]] = {}  # live candidates' heap entries
+        self._pending: dict[int, BlockInfo] = {}  # candidates not priced yet
+        self._t0 = 0.0  # the time origin of the heap's keys
+        self._key_horizon = INITIAL_HORIZON_S  # H the heap's keys use
+        self._since_rebuild = 0  # evictions since the heap was last rebuilt
+        self._blocks: dict[int, BlockInfo] = {}  # every candidate, priced or not
+
+    def bind(self, block_size: int) -> None:
+        super().bind(block_size)
+        if self.costs is None:
+            self.costs = CostBuckets(self.cost_model, self.block_size or block_size, 8)
+
+    # -- features and price ----------------------------------------------------------------
+
+    def cell(self, block: BlockInfo) -> tuple[Any, ...]:
+        """The feature cell of ``block`` (hit count, output bucket, turn, class, depth)."""
+        state = self._state.get(block.block_id)
+        out_bucket, turn = (state[0], state[1]) if state is not None else (0, 1)
+        hits = block.hit_count
+        return (hits if hits < 2 else 2, out_bucket, turn if turn < 3 else 3,
+                block.workload_class, min(block.depth.bit_length(), 7))
+
+    def price(self, block: BlockInfo, now: float) -> float:
+        """The block's price at ``now``: ``p(cell) * H / (H + idle) * cost / bytes``."""
+        costs = self.costs
+        if costs is None:
+            raise ConfigError("the policy is not bound to a manager yet")
+        log_cpb = costs.of(block)[0]
+        h = self.horizon
+        return self.table.p(self.cell(block)) * h / (h + max(now - block.last_access, 0.0)) \
+            * math.exp(log_cpb)
+
+    def _key(self, block: BlockInfo) -> tuple[float, int, int]:
+        log_cpb = self.costs.of(block)[0]  # type: ignore[union-attr]
+        p = self.table.p(self.cell(block))
+        return (math.log(p) + log_cpb + (block.last_access - self._t0) / self._key_horizon,
+                block.last_access_tick, block.block_id)
+
+    def _push(self, block: BlockInfo) -> None:
+        key = self._key(block)
+        self._keys[block.block_id] = key
+        heapq.heappush(self._heap, key)
+
+    def _price_pending(self) -> None:
+        pending = self._pending
+        if pending:
+            for block in pending.values():
+                self._push(block)
+            pending.clear()
+
+    def _rebuild(self, now: float) -> None:
+        """Reprice every candidate with the current estimates and horizon."""
+        self._t0 = now
+        self._key_horizon = self.horizon
+        self._pending.clear()
+        keys = self._keys
+        keys.clear()
+        heap = []
+        key = self._key
+        for block in self._blocks.values():
+            k = key(block)
+            keys[block.block_id] = k
+            heap.append(k)
+        heapq.heapify(heap)
+        self._heap = heap
+        self._since_rebuild = 0
+
+    # -- events ----------------------------------------------------------------------------
+
+    def on_hits(self, request: Request, hits: Sequence[BlockInfo], now: float) -> None:
+        table = self.table
+        h = self.horizon
+        table.expire(now, h)
+        for block in hits:
+            table.reuse(block.block_hash, now, h)
+
+    def on_insert(self, block: BlockInfo, now: float) -> None:
+        # a miss that caches content used before: a reuse the cache did not serve
+        self.table.reuse(block.block_hash, now, self.horizon)
+        self._state.pop(block.block_id, None)
+        self.conversations.forget(block.block_id)
+
+    def on_begin(self, request: Request, hits: Sequence[BlockInfo],
+                 new: Sequence[BlockInfo], now: float) -> None:
+        self._running[request.request_id] = self.conversations.begin(
+            request, hits, new, self.manager_block_size)
+
+    def on_finish(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
+        conv = self._running.pop(request.request_id, None)
+        if not blocks:
+            return
+        turn = 1
+        if conv is not None:
+            turn = conv[1]
+            self.conversations.finish(conv, blocks)
+        out = request.output_len
+        bucket = min(out.bit_length(), 10) if out > 0 else 0
+        state = self._state
+        table = self.table
+        table.expire(now, self.horizon)
+        cell = self.cell
+        pending = self._pending
+        for block in blocks:
+            state[block.block_id] = [bucket, turn]
+            table.open(block.block_hash, cell(block), now)
+        # the request's released candidates are priced now that their features are known
+        for block in blocks:
+            if pending.pop(block.block_id, None) is not None:
+                self._push(block)
+
+    def on_candidate(self, block: BlockInfo, now: float) -> None:
+        self._blocks[block.block_id] = block
+        self._pending[block.block_id] = block
+
+    def on_uncandidate(self, block: BlockInfo, now: float) -> None:
+        block_id = block.block_id
+        del self._blocks[block_id]
+        if self._pending.pop(block_id, None) is None:
+            del self._keys[block_id]
+
+    def on_evict(self, block: BlockInfo, now: float) -> None:
+        block_id = block.block_id
+        if self._blocks.pop(block_id, None) is not None:
+            if self._pending.pop(block_id, None) is None:
+                self._keys.pop(block_id, None)
+        self._state.pop(block_id, None)
+        self.conversations.forget(block_id)
+        self._learn_horizon(block, now)
+
+    def _learn_horizon(self, block: BlockInfo, now: float) -> None:
+        idle = max(now - block.last_access, 0.0)
+        if self._evicted == 0:
+            self.horizon = max(idle, 1e-6)
+        else:
+            self.horizon += HORIZON_WEIGHT * (idle - self.horizon)
+            self.horizon = max(self.horizon, 1e-6)
+        self._evicted += 1
+        self._since_rebuild += 1
+
+    def _top(self, now: float) -> tuple[float, int, int] | None:
+        if self._since_rebuild >= len(self._blocks) or (
+                self._evicted == 1 and self._since_rebuild):
+            self._rebuild(now)
+        else:
+            self._price_pending()
+        heap, keys = self._heap, self._keys
+        while heap:
+            top = heap[0]
+            if keys.get(top[2]) is top:
+                return top
+            heapq.heappop(heap)
+        return None
+
+    def victim(self, now: float) -> int | None:
+        top = self._top(now)
+        return None if top is None else top[2]
+
+    def pop_victim(self, now: float) -> int | None:
+        top = self._top(now)
+        if top is None:
+            return None
+        heapq.heappop(self._heap)
+        block_id = top[2]
+        del self._keys[block_id]
+        block = self._blocks.pop(block_id)
+        self._state.pop(block_id, None)
+        self.conversations.forget(block_id)
+        self._learn_horizon(block, now)
+        return block_id
+
+    def __repr__(self) -> str:
+        return (f"LearnedReuse(prior_weight={self.prior_weight}, memory={self.memory}, "
+                f"horizon={self.horizon:.3g})")

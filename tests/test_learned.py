@@ -1,0 +1,259 @@
+"""The `learned` policy: inferred conversations, the reuse table, exact victims, golden numbers.
+
+The hand-built cases drive a real `KVCacheManager` (the production path) with requests given
+as block hashes, one at a time on a manual clock, and read the victims it names. The cost
+model there charges every depth the same (``attn_s_per_pair=0``), so a victim is decided by
+the learned odds and the idle time alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvevict import workloads
+from kvevict.cost import CostModel
+from kvevict.errors import ConfigError
+from kvevict.manager import KVCacheManager
+from kvevict.policies.learned import ConversationTracker, LearnedReuse, ReuseTable
+from kvevict.pool import BlockPool
+from kvevict.replay import replay
+from kvevict.sim import simulate
+from kvevict.types import BlockInfo, ManualClock, Request
+
+FLAT = CostModel(attn_s_per_pair=0.0)
+
+
+def run(m: KVCacheManager, clock: ManualClock, t: float, rid: object, blocks: tuple,
+        cls: str = "chat", out: int = 8, session: object = None) -> tuple[int, int]:
+    """One request at time ``t``: begin, finish; returns (hit blocks, blocks)."""
+    clock.set(t)
+    req = Request(request_id=rid, block_hashes=blocks, num_tokens=len(blocks) * 4,
+                  output_len=out, workload_class=cls, session_id=session)
+    seq = m.begin(req)
+    hit = seq.num_hit_slots // 4
+    m.finish(rid)
+    return hit, len(blocks)
+
+
+def manager(capacity: int, policy: LearnedReuse) -> tuple[KVCacheManager, ManualClock]:
+    clock = ManualClock()
+    return KVCacheManager(BlockPool(capacity, 4), policy, clock=clock), clock
+
+
+def victims(m: KVCacheManager, n: int) -> list:
+    """The block hashes of the next ``n`` victims, evicted one at a time."""
+    out = []
+    for _ in range(n):
+        chosen = m.policy.victim(m.clock())
+        out.append(m.block(chosen).block_hash)
+        m.evict(1)
+    return out
+
+
+# -- the conversation tracker ------------------------------------------------------------------
+
+
+def block(block_id: int, h: object, depth: int = 0) -> BlockInfo:
+    return BlockInfo(block_id, h, None, depth, None, 1, "chat", None, 0.0, 0, None)
+
+
+def test_tracker_infers_the_next_turn_from_a_private_chain() -> None:
+    t = ConversationTracker()
+    # three block ids, the last partial (10 tokens in blocks of 4), as in a Mooncake trace
+    a = Request(request_id=1, block_hashes=(1, 2, 3), num_tokens=10)
+    b1, b2, b3 = block(1, 1, 0), block(2, 2, 1), block(3, 3, 2)
+    conv = t.begin(a, [], [b1, b2, b3], block_size=4)
+    assert conv[1] == 1
+    t.finish(conv, [b1, b2, b3])
+    for b in (b1, b2, b3):
+        b.hit_count = 1  # the next request's hit
+    # the hit ends in the chain this conversation created: its next turn
+    assert t.begin(a, [b1, b2, b3]) == (conv[0], 2)
+    assert t.begin(a, [b1, b2]) == (conv[0], 2)  # a partial last block not repeated
+    assert t.begin(a, [b1])[1] == 1  # stops inside that prompt: a shared prefix
+    # a block reused by someone else already is shared: a new conversation starts there
+    b1.hit_count = 2
+    other = t.begin(a, [b1])
+    assert other[0] != conv[0] and other[1] == 1
+    t.forget(3)
+    assert t.begin(a, [b1, b2, b3])[1] == 1  # evicted: forgotten
+
+
+def test_tracker_uses_session_ids_when_given() -> None:
+    t = ConversationTracker()
+    r = Request(request_id=1, block_hashes=(1,), num_tokens=4, session_id="s")
+    assert [t.begin(r, [])[1] for _ in range(3)] == [1, 2, 3]
+
+
+def test_inferred_turns_equal_the_session_turns_on_a_generated_trace() -> None:
+    """chat-server with its session ids, and the same requests with them stripped, in the
+    timed simulator (decode caches each answer, so every turn ends on a private block): the
+    tracker gives every request the same turn. The pool holds everything: inference sees the
+    tree, so an evicted chain end would restart the count. Blocks of 4 tokens, so that every
+    turn caches a block of its own: with 16-token blocks, some turns (a short message, a
+    short answer) cache none, and the tree cannot tell their next turn from a new
+    conversation sharing the system prompt."""
+    reqs = workloads.generate("chat-server", seed=1)
+    turns = {}
+    for strip in (False, True):
+        policy = LearnedReuse()
+        seen = []
+        orig = policy.conversations.begin
+
+        def begin(request, hits, new, block_size=None, orig=orig, seen=seen):
+            out = orig(request, hits, new, block_size)
+            seen.append((request.request_id, out[1]))
+            return out
+
+        policy.conversations.begin = begin  # type: ignore[method-assign]
+        source = [r if not strip else Request(
+            request_id=r.request_id, tokens=r.tokens, workload_class=r.workload_class,
+            arrival=r.arrival, output_len=r.output_len, session_id=None) for r in reqs]
+        simulate(source, policy, capacity_blocks=10**6, block_size=4)  # see the docstring
+        turns[strip] = dict(seen)
+    assert turns[False] == turns[True]
+    assert turns[False] == {r.request_id: r.turn for r in reqs}
+    assert max(turns[True].values()) >= 5
+
+
+# -- the reuse table ---------------------------------------------------------------------------
+
+
+def test_table_starts_every_cell_at_the_pooled_rate_and_learns() -> None:
+    table = ReuseTable(prior_weight=8.0, memory=float("inf"))
+    assert table.p("a") == table.p("b") == 0.5
+    for i in range(4):
+        table.open(("a", i), "a", 0.0)
+        table.open(("b", i), "b", 0.0)
+    for i in range(4):
+        table.reuse(("a", i), 1.0, horizon=10.0)  # within the horizon: successes
+    table.reuse(("b", 0), 20.0, horizon=10.0)  # too late: a failure
+    table.expire(9.0, horizon=10.0)  # nothing is 10 s old at t=9 yet
+    assert table.observations == 5
+    table.expire(11.0, horizon=10.0)  # b's three open trials fail
+    assert table.observations == 8
+    pooled = 5 / 10  # 1 + 4 successes, 1 + 4 failures
+    assert table.p("a") == pytest.approx((8 * pooled + 4) / 12)
+    assert table.p("b") == pytest.approx((8 * pooled) / 12)
+
+
+def test_no_estimate_at_time_t_uses_an_event_after_t() -> None:
+    """Replaying the bundled trace up to time t, or all of it, leaves the same table at t."""
+    reqs = workloads.read_mooncake(workloads.bundled_trace_path())
+    cut = 400.0
+    head = [r for r in reqs if r.arrival <= cut]
+
+    def table_at_cut(source: list[Request]) -> dict:
+        policy = LearnedReuse()
+        snapshot: dict = {}
+        orig = policy.on_begin
+
+        def on_begin(request, hits, new, now, orig=orig):
+            if request.arrival <= cut:  # the state the request at t saw, after its begin
+                snapshot.clear()
+                snapshot.update(succ=dict(policy.table.succ), fail=dict(policy.table.fail),
+                                horizon=policy.horizon, obs=policy.table.observations)
+            orig(request, hits, new, now)
+
+        policy.on_begin = on_begin  # type: ignore[method-assign]
+        replay(source, policy, 2000, 512, time="arrival")
+        return snapshot
+
+    full, partial = table_at_cut(reqs), table_at_cut(head)
+    assert full == partial
+    assert full["obs"] > 1000
+
+
+# -- exact victims -----------------------------------------------------------------------------
+
+
+def test_cold_start_with_one_cell_is_lru() -> None:
+    """Single-block requests of one class and output length share one cell: whatever the
+    table learns, the order is recency."""
+    m, clock = manager(4, LearnedReuse(FLAT))
+    for i, t in enumerate((0, 1, 2, 3)):
+        run(m, clock, t, i, (100 + i,))
+    run(m, clock, 4, 9, (101,))  # a hit: 101 is the newest now
+    assert victims(m, 4) == [100, 102, 103, 101]
+
+
+def teach(m: KVCacheManager, clock: ManualClock, cls_dead: str = "chat") -> float:
+    """Six conversations of 8 turns (a 5-block first prompt, then one new block per turn,
+    1 s apart) that come back until their last turn, and six single requests of class
+    ``cls_dead`` with the same 5-block shape that never do; then time passes so every open
+    trial fails. Returns the clock time reached."""
+    t = 0.0
+    for c in range(6):
+        chain: tuple = tuple(("c", c, i) for i in range(5))
+        for turn in range(8):
+            if turn:
+                chain = chain + (("c", c, 4 + turn),)
+            run(m, clock, t, ("c", c, turn), chain)
+            t += 1.0
+        run(m, clock, t, ("dead", c), tuple(("d", c, i) for i in range(5)), cls=cls_dead)
+        t += 1.0
+    return t + 120.0  # past the horizon (60 s before any eviction): open trials fail
+
+
+def test_an_inferred_5th_turn_outlives_a_fresh_conversation_of_the_same_idle_time() -> None:
+    policy = LearnedReuse(FLAT)
+    m, clock = manager(400, policy)
+    t = teach(m, clock)
+    run(m, clock, t, "expire", (("x",),))  # a request at t: every old trial is resolved
+    m.evict(m.pool.num_used)  # empty the cache (learning kept)
+    # a conversation at its 5th turn (a 1-block first prompt, then one block per turn) and a
+    # fresh one, both chains of 5 blocks, both released at t + 1 (the same idle time); no
+    # session ids: the turns are inferred
+    chain: tuple = ()
+    for turn in range(4):
+        chain = chain + (("live", turn),)
+        run(m, clock, t + 0.2 * turn, ("live", turn), chain)
+    chain = chain + (("live", 4),)
+    run(m, clock, t + 1.0, ("live", 4), chain)
+    run(m, clock, t + 1.0, "fresh", tuple(("fresh", i) for i in range(5)))
+    live, fresh = m.tree.get(("live", 4)), m.tree.get(("fresh", 4))
+    assert (policy.cell(live)[2], policy.cell(fresh)[2]) == (3, 1)  # turns 3+ and 1
+    assert policy.table.p(policy.cell(fresh)) < policy.table.p(policy.cell(live))
+    assert victims(m, 1) == [("fresh", 4)]
+    # without what it learned (a fresh policy on the same two chains) it is LRU: live first
+    m2, clock2 = manager(400, LearnedReuse(FLAT))
+    run(m2, clock2, 0.0, "l", tuple(("live", i) for i in range(5)))
+    run(m2, clock2, 0.0, "f", tuple(("fresh", i) for i in range(5)))
+    assert victims(m2, 1) == [("live", 4)]
+
+
+def test_a_dead_single_shot_tail_goes_before_a_live_chats() -> None:
+    policy = LearnedReuse(FLAT)
+    m, clock = manager(400, policy)
+    t = teach(m, clock, cls_dead="single_shot")
+    run(m, clock, t, "expire", (("x",),))
+    m.evict(m.pool.num_used)
+    # a chat's first turn and a single-shot request, same depth, released together
+    run(m, clock, t + 1.0, "chat", (("chat", 0),))
+    run(m, clock, t + 1.0, "shot", (("shot", 0),), cls="single_shot")
+    assert policy.table.p(policy.cell(m.tree.get(("shot", 0))))  \
+        < policy.table.p(policy.cell(m.tree.get(("chat", 0))))
+    assert victims(m, 1) == [("shot", 0)]
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ConfigError, match="prior_weight"):
+        LearnedReuse(prior_weight=0)
+    with pytest.raises(ConfigError, match="memory"):
+        LearnedReuse(memory=1)
+    with pytest.raises(ConfigError, match="max_conversations"):
+        LearnedReuse(max_conversations=0)
+    with pytest.raises(ConfigError, match="cost_model"):
+        LearnedReuse(cost_model="h100")  # type: ignore[arg-type]
+
+
+# -- golden numbers ----------------------------------------------------------------------------
+
+GOLDEN = {1000: 0.0961, 2000: 0.1527, 5000: 0.3139, 10000: 0.4689, 20000: 0.6177}
+
+
+@pytest.mark.parametrize("size", sorted(GOLDEN))
+def test_golden_block_hit_ratios_on_the_bundled_trace(size: int) -> None:
+    reqs = workloads.read_mooncake(workloads.bundled_trace_path())
+    result = replay(reqs, "learned", size, 512, time="arrival")
+    assert round(result.block_hit_ratio, 4) == GOLDEN[size]
