@@ -13,6 +13,7 @@ from kvevict.policies.dbms import DBMS
 from kvevict.policies.lfu import LFU
 from kvevict.policies.lru import LRU
 from kvevict.policies.market import Market, MarketAdmission
+from kvevict.policies.oracles import HorizonOracle, ReuseOracle
 from kvevict.policies.pinned import RefcountPinned
 
 __all__ = [
@@ -21,10 +22,12 @@ __all__ = [
     "LRU",
     "BayesReuse",
     "Belady",
+    "HorizonOracle",
     "Market",
     "MarketAdmission",
     "Policy",
     "RefcountPinned",
+    "ReuseOracle",
     "ScoredPolicy",
     "available_policies",
     "make_policy",
