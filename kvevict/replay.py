@@ -14,7 +14,12 @@ Semantics (one `KVCacheManager` over a metadata-only `BlockPool` of ``capacity_b
   nudged up to the next float, as `kvevict.policies.belady.request_times` does; an arrival
   before the previous request's is a `ConfigError` naming the request);
 - an offline policy (``"belady"``) gets its future from the same requests on the same time
-  axis, so it is the exact furthest-next-use oracle of this replay;
+  axis, so it is the exact furthest-next-use oracle of this replay; so do the reuse and
+  horizon oracles (`kvevict.policies.oracles`: they know whether a block is used again, or
+  whether within H, and run LRU otherwise);
+- `INFINITE` (``"infinite"``) is the infinite cache: a pool that holds every block the trace
+  caches, so nothing is evicted and no request is rejected (its row is the same at every
+  size);
 - a request larger than the whole pool cannot run: its blocks count as misses, the cache is
   left as it was, and it is counted in ``rejected``; it is no one's next use.
 
@@ -27,11 +32,22 @@ block access, the index of the next request using the block to a file
 (`kvevict.policies.belady.NextUseFile`: memory in proportion to the distinct blocks, see
 there), then the replay reads it through a memory-mapped window (`FileBelady`); a one-shot
 iterator is spilled to a temporary file during the first pass so it can be read again.
+The reuse and horizon oracles by name read the same file (any offline class that defines
+``from_next_uses`` does; on the arrival axis the file also holds the arrivals), and so does
+the infinite cache, whose pool is sized from it (every distinct block, plus the largest
+request): it holds every block, so its memory follows the distinct blocks, not the cache.
 Another offline policy (a user's ``from_requests``) gets the requests as a list.
 `replay_table` feeds every (policy, size) cell from one pass over the trace.
 
-Run ``kvevict replay`` (or ``python -m kvevict.replay``) for the Markdown table of every
-registered policy, e.g. ``kvevict replay --sizes 1000,2000,5000,10000,20000``.
+**The oracle decomposition.** By default `replay_table` (and ``kvevict replay``) replays
+every registered online policy, then the horizon oracle, the reuse oracle, Belady and the
+infinite cache (`default_policies`); ``horizons=`` sweeps the horizon oracle's H. Reading
+up the rows: the reuse oracle's gain over LRU is what knowing *whether* a block comes back
+is worth (classification), Belady's over it what knowing *when* adds (timing), and the
+infinite cache bounds them all.
+
+Run ``kvevict replay`` (or ``python -m kvevict.replay``) for the Markdown table, e.g.
+``kvevict replay --time arrival --horizons 30,120,300``.
 """
 
 from __future__ import annotations
@@ -621,7 +637,7 @@ def open_trace(trace: str | os.PathLike[str], format: str = "mooncake", *,
 
 
 def _command_policies(text: str | None, modules: Sequence[str]) -> list[str] | None:
-    """``--policies`` (None: every registered one), once the ``kvevict.policies`` entry points
+    """``--policies`` (None: `default_policies`), once the ``kvevict.policies`` entry points
     and the ``--policy-module`` modules are loaded; a name given twice is an error."""
     from kvevict.policies.registry import load_entry_point_policies, load_policy_modules
 
@@ -647,7 +663,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1000,2000,5000,10000,20000",
                         help="comma-separated pool sizes in blocks")
     parser.add_argument("--policies", default=None,
-                        help="comma-separated policy names (default: every registered one)")
+                        help="comma-separated policy names, 'infinite' for the infinite cache "
+                             "(default: every registered online policy, then the oracles and "
+                             "the infinite cache)")
+    parser.add_argument("--horizons", default=None, metavar="H,...",
+                        help="the horizon oracle at each H (clock units: seconds with --time "
+                             "arrival), one row each")
     parser.add_argument("--policy-module", action="append", default=[], metavar="MODULE",
                         help="import MODULE (e.g. mypkg.mypolicies; found on sys.path or in "
                              "the current directory) before --policies is checked, so the "
@@ -662,10 +683,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+        horizons = None if args.horizons is None else [
+            float(h) for h in args.horizons.split(",") if h.strip()]
         policies = _command_policies(args.policies, args.policy_module)
         trace, block_size = open_trace(args.trace, "mooncake", block_size=args.block_size,
                                        time=args.time)
-        table = replay_table(trace, policies, sizes, block_size, time=args.time)
+        table = replay_table(trace, policies, sizes, block_size, time=args.time,
+                             horizons=horizons)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
