@@ -402,3 +402,34 @@ def test_stateful_machine_by_name():
 def test_stateful_machine_scrambled_future_with_promotions():
     machine_for(_ScrambledHorizon).TestCase().runTest()
     machine_for(_ScrambledHorizon, tensor=True, num_blocks=6).TestCase().runTest()
+
+
+# -- the plot -------------------------------------------------------------------------------
+
+
+def test_replay_figure_draws_each_row_in_its_fixed_style():
+    from kvevict import report
+
+    rows = [{"policy": p, "capacity_blocks": c, "block_hit_ratio": v}
+            for p, vals in (("lru", (0.1, 0.3)), ("horizon-oracle H=30", (0.2, 0.35)),
+                            ("horizon-oracle H=300", (0.15, 0.4)), ("belady", (0.3, 0.5)),
+                            (INFINITE, (0.6, 0.6)))
+            for c, v in zip((1000, 4000), vals, strict=True)]
+    fig = report.replay_figure(rows, "t")
+    (ax,) = fig.axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines) == ["lru", "horizon-oracle H=30", "horizon-oracle H=300", "belady",
+                           "infinite cache (0.600)"]
+    lru, h30, h300, belady = (lines[k] for k in list(lines)[:4])
+    assert (lru.get_color(), lru.get_marker(), lru.get_linestyle()) == ("#1f77b4", "o", "-")
+    assert (belady.get_color(), belady.get_marker(), belady.get_linestyle()) == (
+        "#000000", "*", "--")
+    assert report.POLICY_STYLES["horizon-oracle"] == ("#00a087", "h")
+    # a family: the first in the policy's own style, the next a third of the way to white
+    # (0x00 + 255/3 = 0x55, 0xa0 + 95/3 = 0xc0, 0x87 + 120/3 = 0xaf), with another marker
+    assert (h30.get_color(), h30.get_marker(), h30.get_linestyle()) == ("#00a087", "h", "--")
+    assert (h300.get_color(), h300.get_marker()) == ("#55c0af", "X")
+    assert list(h30.get_ydata()) == [0.2, 0.35]
+    assert lines["infinite cache (0.600)"].get_linestyle() == ":"
+    with pytest.raises(ConfigError, match="at least one row"):
+        report.replay_figure([], "t")
