@@ -235,6 +235,10 @@ def test_command_line(tmp_path, capsys):
     assert out[2].startswith("| lru | ") and out[3].startswith("| belady | ")
     assert main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert "neither" in capsys.readouterr().err
+    assert main(["--trace", str(path), "--sizes", "4", "--policies",
+                 "lru,horizon-oracle,infinite", "--horizons", "1,2", "--block-size", "4"]) == 0
+    rows = [line.split(" | ")[0][2:] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == ["lru", "horizon-oracle H=1", "horizon-oracle H=2", "infinite"]
 
 
 # -- the Mooncake reader ----------------------------------------------------------------------

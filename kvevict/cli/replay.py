@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -259,8 +260,8 @@ def replay_command(args: argparse.Namespace) -> int:
             "time": args.time, "requests": requests, "sizes": sizes, "policies": policies,
             "results": table.rows(), "command": recorded_command(args), "engine": engine,
         }
-        if horizons is not None:
-            payload["horizons"] = horizons
+        if horizons is not None:  # an infinite H as "inf" (JSON has no infinity)
+            payload["horizons"] = [h if math.isfinite(h) else "inf" for h in horizons]
         if engine == "vllm-offload":
             from kvevict.adapters.vllm import vllm_version
 
