@@ -14,7 +14,12 @@ Semantics (one `KVCacheManager` over a metadata-only `BlockPool` of ``capacity_b
   nudged up to the next float, as `kvevict.policies.belady.request_times` does; an arrival
   before the previous request's is a `ConfigError` naming the request);
 - an offline policy (``"belady"``) gets its future from the same requests on the same time
-  axis, so it is the exact furthest-next-use oracle of this replay;
+  axis, so it is the exact furthest-next-use oracle of this replay; so do the reuse and
+  horizon oracles (`kvevict.policies.oracles`: they know whether a block is used again, or
+  whether within H, and run LRU otherwise);
+- `INFINITE` (``"infinite"``) is the infinite cache: a pool that holds every block the trace
+  caches, so nothing is evicted and no request is rejected (its row is the same at every
+  size);
 - a request larger than the whole pool cannot run: its blocks count as misses, the cache is
   left as it was, and it is counted in ``rejected``; it is no one's next use.
 
@@ -27,11 +32,22 @@ block access, the index of the next request using the block to a file
 (`kvevict.policies.belady.NextUseFile`: memory in proportion to the distinct blocks, see
 there), then the replay reads it through a memory-mapped window (`FileBelady`); a one-shot
 iterator is spilled to a temporary file during the first pass so it can be read again.
+The reuse and horizon oracles by name read the same file (any offline class that defines
+``from_next_uses`` does; on the arrival axis the file also holds the arrivals), and so does
+the infinite cache, whose pool is sized from it (every distinct block, plus the largest
+request): it holds every block, so its memory follows the distinct blocks, not the cache.
 Another offline policy (a user's ``from_requests``) gets the requests as a list.
 `replay_table` feeds every (policy, size) cell from one pass over the trace.
 
-Run ``kvevict replay`` (or ``python -m kvevict.replay``) for the Markdown table of every
-registered policy, e.g. ``kvevict replay --sizes 1000,2000,5000,10000,20000``.
+**The oracle decomposition.** By default `replay_table` (and ``kvevict replay``) replays
+every registered online policy, then the horizon oracle, the reuse oracle, Belady and the
+infinite cache (`default_policies`); ``horizons=`` sweeps the horizon oracle's H. Reading
+up the rows: the reuse oracle's gain over LRU is what knowing *whether* a block comes back
+is worth (classification), Belady's over it what knowing *when* adds (timing), and the
+infinite cache bounds them all.
+
+Run ``kvevict replay`` (or ``python -m kvevict.replay``) for the Markdown table, e.g.
+``kvevict replay --time arrival --horizons 30,120,300``.
 """
 
 from __future__ import annotations
@@ -42,30 +58,57 @@ import os
 import sys
 import time as _time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import kvevict.policies  # noqa: F401  (registers the built-in policies)
 from kvevict.errors import ConfigError, OutOfBlocks
 from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy, available_policies
-from kvevict.policies.belady import Belady, FileBelady, NextUseFile
+from kvevict.policies.belady import NextUseFile
+from kvevict.policies.oracles import check_horizon
 from kvevict.policies.registry import (
     POLICIES,
     PolicySpec,
     build_policy,
     check_distinct,
+    hook_parameters,
     is_offline,
     online_first,
 )
 from kvevict.pool import BlockPool
 from kvevict.types import ManualClock, Request
 
-__all__ = ["ReplayRecord", "ReplayResult", "ReplayTable", "format_table", "main", "open_trace",
-           "replay", "replay_table"]
+__all__ = ["INFINITE", "ORACLES", "ReplayRecord", "ReplayResult", "ReplayTable",
+           "default_policies", "format_table", "horizon_label", "main", "open_trace", "replay",
+           "replay_table"]
 
 #: ``progress(phase, requests done)`` is called every this many requests (and at the end).
 PROGRESS_EVERY = 1000
+
+#: The name of the infinite-cache row: no policy, a pool that holds every block the trace
+#: ever caches (nothing is evicted). Accepted wherever the replay takes a policy name.
+INFINITE = "infinite"
+
+#: The built-in oracles, weakest first: the order of the oracle rows in a default table.
+ORACLES = ("horizon-oracle", "reuse-oracle", "belady")
+
+
+def horizon_label(horizon: float) -> str:
+    """The label of the horizon oracle's row at ``horizon`` in a `replay_table` given
+    ``horizons``: ``"horizon-oracle H=60"``."""
+    return f"horizon-oracle H={check_horizon(horizon):g}"
+
+
+def default_policies() -> list[str]:
+    """What a `replay_table` replays by default: every registered online policy (sorted),
+    then the offline ones: others first, then the built-in oracles weakest first
+    (`ORACLES`: ``horizon-oracle``, ``reuse-oracle``, ``belady``), then `INFINITE`."""
+    names = online_first(available_policies())
+    offline = [n for n in names if is_offline(n)]
+    builtin = [n for n in ORACLES if n in offline]
+    return ([n for n in names if not is_offline(n)]
+            + [n for n in offline if n not in builtin] + builtin + [INFINITE])
 
 
 @dataclass(frozen=True)
@@ -175,25 +218,37 @@ class _Axis:
         return t
 
 
-def _streams_belady(policy: PolicySpec, params: Mapping[str, Any]) -> bool:
-    """Whether the replay builds this policy as `FileBelady`: ``"belady"`` by name, with no
-    parameters of its own."""
-    return isinstance(policy, str) and not params and POLICIES.get(policy) is Belady
+def _streams(policy: PolicySpec, params: Mapping[str, Any]) -> bool:
+    """Whether the replay reads this policy's future from a `NextUseFile`: an offline class
+    by name that defines ``from_next_uses`` itself (Belady, the reuse and horizon oracles;
+    not a subclass that only inherits it) and takes every parameter given through it."""
+    if not isinstance(policy, str) or policy == INFINITE:
+        return False
+    cls = POLICIES.get(policy)
+    hook = vars(cls).get("from_next_uses")
+    if not is_offline(cls) or hook is None:
+        return False
+    return set(params) <= hook_parameters(cls.from_next_uses)  # type: ignore[attr-defined]
 
 
 def _needs_list(policy: PolicySpec, params: Mapping[str, Any]) -> bool:
-    """An offline policy other than the built-in Belady, by name alone: its
-    ``from_requests`` takes the requests as a list."""
-    return (isinstance(policy, str) and not params and is_offline(policy)
-            and not _streams_belady(policy, params))
+    """An offline policy by name that does not stream, with no parameters or only ones its
+    ``from_requests`` takes: that hook takes the requests as a list."""
+    if not isinstance(policy, str) or policy == INFINITE or not is_offline(policy) \
+            or _streams(policy, params):
+        return False
+    return set(params) <= hook_parameters(POLICIES.get(policy).from_requests)  # type: ignore
 
 
 class _Cell:
-    """One policy at one pool size, fed one request at a time."""
+    """One policy at one pool size, fed one request at a time (``closes``: the policy reads
+    a next-use file and has a ``close``)."""
 
     def __init__(self, label: str, policy: Policy, capacity_blocks: int, block_size: int,
-                 extra_key: Any, check_every: int, records: bool, seconds: float) -> None:
+                 extra_key: Any, check_every: int, records: bool, seconds: float,
+                 closes: bool = False) -> None:
         self.label = label
+        self.closes = closes
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
         self.policy = policy
@@ -240,8 +295,8 @@ class _Cell:
     def result(self) -> ReplayResult:
         if self.check_every:
             self.manager.check()
-        if isinstance(self.policy, FileBelady):
-            self.policy.close()
+        if self.closes:
+            self.policy.close()  # type: ignore[attr-defined]
         stats = self.manager.stats
         return ReplayResult(
             policy=self.label,
@@ -269,6 +324,8 @@ def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dic
     """Replay every (label, policy, params) of ``cells`` at every size, from one pass over
     ``requests`` (two when Belady streams its future; see the module docstring)."""
     source: Iterable[Request] = requests
+    infinite = [label for label, spec, _ in cells if spec == INFINITE]
+    cells = [c for c in cells if c[1] != INFINITE]
     if any(_needs_list(spec, params) for _, spec, params in cells):
         source = list(requests)
         for req in source:
@@ -276,16 +333,26 @@ def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dic
                 raise ConfigError(f"replay takes Requests, got {type(req).__name__}")
     future: NextUseFile | None = None
     try:
-        if any(_streams_belady(spec, params) for _, spec, params in cells):
+        if infinite or any(_streams(spec, params) for _, spec, params in cells):
             one_shot = iter(source) is source
             tick = None if progress is None else (lambda n: progress("future", n))
             future = NextUseFile.build(source, block_size=block_size, extra_key=extra_key,
-                                       directory=workdir, spill=one_shot, on_request=tick)
+                                       directory=workdir, spill=one_shot, on_request=tick,
+                                       arrivals=time == "arrival")
             if one_shot:
                 source = future.spilled()
         running = [_make_cell(label, spec, params, size, block_size, time, extra_key,
                               check_every, records, source, future)
                    for label, spec, params in cells for size in sizes]
+        unbounded = []
+        if infinite:
+            assert future is not None
+            # room for every distinct block and the largest request's uncached tail: an LRU
+            # that is never asked for a victim
+            room = future.num_slots + future.max_need + 1
+            unbounded = [_Cell(INFINITE, build_policy("lru"), room, block_size, extra_key,
+                               check_every, records, 0.0)]
+            running += unbounded
         axis = _Axis(time)
         count = 0
         for index, req in enumerate(source):
@@ -299,7 +366,15 @@ def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dic
                 progress("replay", count)
         if progress is not None:
             progress("replay", count)
-        return [cell.result() for cell in running]
+        results = [cell.result() for cell in running if cell not in unbounded]
+        for cell in unbounded:
+            whole = cell.result()
+            if whole.evictions:  # pragma: no cover (the room above rules it out)
+                raise ConfigError(f"the infinite cache of {cell.capacity_blocks:,} blocks "
+                                  f"evicted {whole.evictions:,}; please report this")
+            results += [replace(whole, policy=label, capacity_blocks=size)
+                        for label in infinite for size in sizes]
+        return results
     finally:
         if future is not None:
             future.close()
@@ -309,10 +384,14 @@ def _make_cell(label: str, spec: PolicySpec, params: dict[str, Any], size: int,
                block_size: int, time: str, extra_key: Any, check_every: int, records: bool,
                source: Iterable[Request], future: NextUseFile | None) -> _Cell:
     start = _time.perf_counter()
-    if _streams_belady(spec, params):
+    if _streams(spec, params):
         assert future is not None
-        policy: Policy = future.policy(size)
-    elif _needs_list(spec, params):
+        cls = POLICIES.get(spec)
+        policy: Policy = cls.from_next_uses(future, size, time=time,  # type: ignore
+                                            **params)
+        return _Cell(label, policy, size, block_size, extra_key, check_every, records,
+                     _time.perf_counter() - start, closes=True)
+    if _needs_list(spec, params):
         reqs = source if isinstance(source, list) else list(source)  # a list (see _run)
         axis = _Axis(time)
         times = [axis(i, r) for i, r in enumerate(reqs)]
@@ -327,6 +406,17 @@ def _make_cell(label: str, spec: PolicySpec, params: dict[str, Any], size: int,
                  _time.perf_counter() - start)
 
 
+def _check_spec(policy: PolicySpec, params: Mapping[str, Any]) -> None:
+    """An unknown name, or parameters for the infinite cache, fail before the trace is
+    read."""
+    if policy == INFINITE:
+        if params:
+            raise ConfigError(f"the infinite cache takes no parameters, got "
+                              f"{', '.join(params)}")
+    elif isinstance(policy, str):
+        POLICIES.get(policy)
+
+
 def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int,
            block_size: int = 512, *, time: str = "index", extra_key: Any = None,
            check_every: int = 0, label: str | None = None, records: bool = False,
@@ -337,9 +427,11 @@ def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int
     Args:
         requests: the trace, in order (token-mode or ``block_hashes`` requests): any
             iterable, consumed lazily (see **Scale** in the module docstring).
-        policy: a registered name (an offline one, ``"belady"``, gets its future from
-            ``requests``), a fresh `Policy` instance, or a zero-argument factory returning one
-            (see `kvevict.policies.registry.build_policy`).
+        policy: a registered name (an offline one, ``"belady"``, ``"reuse-oracle"``,
+            ``"horizon-oracle"``, gets its future from ``requests``), `INFINITE`
+            (``"infinite"``: a cache that never evicts), a fresh `Policy` instance, or a
+            zero-argument factory returning one (see
+            `kvevict.policies.registry.build_policy`).
         capacity_blocks: blocks in the pool.
         block_size: tokens per block (512 for the Mooncake traces).
         time: the clock axis: ``"index"`` (request ``i`` at time ``i``) or ``"arrival"``
@@ -362,8 +454,7 @@ def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int
         raise ConfigError(f"check_every must be a non-negative int, got {check_every!r}")
     _check_source(requests)
     _check_time(time)
-    if isinstance(policy, str):
-        POLICIES.get(policy)  # an unknown name fails before the trace is read
+    _check_spec(policy, policy_params)
     name = label if label is not None else _label(policy)
     (result,) = _run(requests, [(name, policy, dict(policy_params))], [capacity_blocks],
                      block_size, time, extra_key, check_every, records, progress, workdir)
@@ -401,15 +492,18 @@ def replay_table(requests: Iterable[Request],
                  block_size: int = 512, *, time: str = "index",
                  extra_key: Any = None, records: bool = False,
                  progress: Progress | None = None,
-                 workdir: str | os.PathLike[str] | None = None) -> ReplayTable:
+                 workdir: str | os.PathLike[str] | None = None,
+                 horizons: Iterable[float] | None = None) -> ReplayTable:
     """Replay every policy at every capacity, all from one pass over ``requests`` (two with
-    Belady), each cell as `replay` would.
+    an oracle or the infinite cache), each cell as `replay` would.
 
     Args:
         requests: the trace (any iterable, consumed lazily).
-        policies: registered names, or a mapping label -> name or zero-argument factory (a
-            fresh policy is needed per replay, so instances are not accepted). Default: every
-            registered policy, the offline ones (``"belady"``) last.
+        policies: registered names (and `INFINITE`), or a mapping label -> name or
+            zero-argument factory (a fresh policy is needed per replay, so instances are not
+            accepted). Default (`default_policies`): every registered online policy, then
+            the oracles weakest first (``horizon-oracle``, ``reuse-oracle``, ``belady``),
+            then the infinite cache: the oracle decomposition.
         capacities: pool sizes in blocks.
         block_size: as for `replay`.
         time: as for `replay`.
@@ -417,10 +511,16 @@ def replay_table(requests: Iterable[Request],
         records: as for `replay` (per cell).
         progress: as for `replay`.
         workdir: as for `replay`.
+        horizons: H values of the horizon oracle (clock units: seconds on the arrival axis,
+            requests on the index axis). Each gives a row labelled `horizon_label` (e.g.
+            ``"horizon-oracle H=60"``), in the order given, in place of the
+            ``"horizon-oracle"`` row at its default H (`DEFAULT_HORIZON`), or, when the list
+            does not name it, after the last policy that is not `INFINITE`. None: only the
+            row of the default H, if the list names it.
     """
     _check_source(requests)
-    if policies is None:  # the online policies, then the oracle
-        policies = online_first(available_policies())
+    if policies is None:  # the online policies, then the oracles and the infinite cache
+        policies = default_policies()
     if isinstance(policies, str):
         raise ConfigError("policies must be a list of names or a mapping, not one string")
     if isinstance(policies, Mapping):
@@ -433,14 +533,43 @@ def replay_table(requests: Iterable[Request],
         if isinstance(spec, Policy):
             raise ConfigError(f"policy {lbl!r}: give a name or a factory, not an instance "
                               "(each replay needs a fresh policy)")
-        if isinstance(spec, str):
-            POLICIES.get(spec)  # an unknown name fails before any replay runs
+        _check_spec(spec, {})  # an unknown name fails before any replay runs
+    cells: list[tuple[str, PolicySpec, dict[str, Any]]] = [
+        (lbl, spec, {}) for lbl, spec in specs.items()]
+    if horizons is not None:
+        cells = _with_horizons(cells, horizons)
     sizes = [_positive_int("capacity", c) for c in capacities]
     _positive_int("block_size", block_size)
     _check_time(time)
-    results = _run(requests, [(lbl, spec, {}) for lbl, spec in specs.items()], sizes,
-                   block_size, time, extra_key, 0, records, progress, workdir)
-    return ReplayTable(list(specs), sizes, results)
+    results = _run(requests, cells, sizes, block_size, time, extra_key, 0, records, progress,
+                   workdir)
+    return ReplayTable([lbl for lbl, _, _ in cells], sizes, results)
+
+
+def _with_horizons(cells: list[tuple[str, PolicySpec, dict[str, Any]]],
+                   horizons: Iterable[float]) -> list[tuple[str, PolicySpec, dict[str, Any]]]:
+    """``cells`` with the horizon oracle's row replaced by one row per horizon (or those
+    rows added after the last row that is not the infinite cache)."""
+    if isinstance(horizons, (str, bytes)) or not isinstance(horizons, Iterable):
+        raise ConfigError(f"horizons must be a list of numbers (clock units), got "
+                          f"{horizons!r}")
+    values = [check_horizon(h) for h in horizons]
+    if not values:
+        raise ConfigError("horizons needs at least one value (or None for the default H)")
+    labels = [horizon_label(h) for h in values]
+    check_distinct(labels, "horizons")
+    rows = [(lbl, "horizon-oracle", {"horizon": h})
+            for lbl, h in zip(labels, values, strict=True)]
+    taken = {lbl for lbl, _, _ in cells} & set(labels)
+    if taken:
+        raise ConfigError(f"policies already has a row labelled {sorted(taken)[0]!r}")
+    at = next((i for i, (_, spec, _) in enumerate(cells) if spec == "horizon-oracle"), None)
+    if at is not None:
+        return cells[:at] + rows + cells[at + 1:]
+    tail = len(cells)
+    while tail and cells[tail - 1][1] == INFINITE:
+        tail -= 1
+    return cells[:tail] + rows + cells[tail:]
 
 
 def format_table(table: ReplayTable, metric: str = "block_hit_ratio", digits: int = 4) -> str:
@@ -508,7 +637,7 @@ def open_trace(trace: str | os.PathLike[str], format: str = "mooncake", *,
 
 
 def _command_policies(text: str | None, modules: Sequence[str]) -> list[str] | None:
-    """``--policies`` (None: every registered one), once the ``kvevict.policies`` entry points
+    """``--policies`` (None: `default_policies`), once the ``kvevict.policies`` entry points
     and the ``--policy-module`` modules are loaded; a name given twice is an error."""
     from kvevict.policies.registry import load_entry_point_policies, load_policy_modules
 
@@ -534,7 +663,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1000,2000,5000,10000,20000",
                         help="comma-separated pool sizes in blocks")
     parser.add_argument("--policies", default=None,
-                        help="comma-separated policy names (default: every registered one)")
+                        help="comma-separated policy names, 'infinite' for the infinite cache "
+                             "(default: every registered online policy, then the oracles and "
+                             "the infinite cache)")
+    parser.add_argument("--horizons", default=None, metavar="H,...",
+                        help="the horizon oracle at each H (clock units: seconds with --time "
+                             "arrival), one row each")
     parser.add_argument("--policy-module", action="append", default=[], metavar="MODULE",
                         help="import MODULE (e.g. mypkg.mypolicies; found on sys.path or in "
                              "the current directory) before --policies is checked, so the "
@@ -549,10 +683,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+        horizons = None if args.horizons is None else [
+            float(h) for h in args.horizons.split(",") if h.strip()]
         policies = _command_policies(args.policies, args.policy_module)
         trace, block_size = open_trace(args.trace, "mooncake", block_size=args.block_size,
                                        time=args.time)
-        table = replay_table(trace, policies, sizes, block_size, time=args.time)
+        table = replay_table(trace, policies, sizes, block_size, time=args.time,
+                             horizons=horizons)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -33,8 +33,8 @@ from kvevict.stats import Interval, aggregate, paired
 
 __all__ = ["Choice", "choose_policy", "class_p95_figure", "decision_record", "explain_choice",
            "format_class_table", "format_table", "hit_ratio_figure", "is_unstable",
-           "plot_class_p95", "plot_hit_ratio", "plot_ttft_cdf", "policy_label", "policy_style",
-           "size_label", "ttft_cdf_figure"]
+           "plot_class_p95", "plot_hit_ratio", "plot_replay", "plot_ttft_cdf", "policy_label",
+           "policy_style", "replay_figure", "size_label", "ttft_cdf_figure"]
 
 #: The terminal and Markdown table: ``(header, key, format spec, shown when no row has it)``.
 #: Columns whose key no row holds and that are not always shown (the TTFT decomposition and
@@ -152,6 +152,8 @@ POLICY_STYLES: dict[str, tuple[str, str]] = {
     "bayes": ("#9467bd", "v"),
     "dbms": ("#8c564b", "P"),
     "belady": ("#000000", "*"),
+    "reuse-oracle": ("#3c5488", "p"),
+    "horizon-oracle": ("#00a087", "h"),
 }
 #: Colours and markers for other names, disjoint from the fixed ones; a name picks one of each
 #: by its SHA-256 digest (the same in every process, unlike Python's ``hash``).
@@ -867,6 +869,78 @@ def plot_hit_ratio(cells: Sequence[Mapping[str, Any]], path: Path, title: str, *
     """`hit_ratio_figure` saved as a PNG at ``path``."""
     _save(hit_ratio_figure(cells, title, metric=metric, exact=exact, confidence=confidence),
           path)
+
+
+#: The label of the exact replay's infinite-cache row (`kvevict.replay.INFINITE`).
+INFINITE_LABEL = "infinite"
+
+
+def _shade(color: str, amount: float) -> str:
+    """``color`` (``"#rrggbb"``) mixed with white by ``amount`` (0: itself, 1: white)."""
+    rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * amount):02x}" for c in rgb)
+
+
+def replay_figure(rows: Sequence[Mapping[str, Any]], title: str, *,
+                  metric: str = "block_hit_ratio") -> Any:
+    """The exact replay's ``metric`` (block hit ratio) against pool size, one line per row
+    label of a `kvevict.replay.ReplayTable` (``rows``: its `rows()`, or the ``results`` of
+    ``kvevict replay --out``'s ``results.json``): the oracle decomposition in one picture.
+
+    Online policies are solid lines with filled markers in their fixed style
+    (`policy_style`); the replay's oracles, exact here, are dashed. A label ``"name
+    detail"`` (``"horizon-oracle H=60"``) is drawn in ``name``'s colour, its ``k``-th
+    detail (in the order of the rows) lighter by ``k / (details + 1)`` and, past the first
+    (which keeps ``name``'s own marker), with the ``k``-th of `MARKERS` other than it, so a
+    sweep reads as one family.
+    The infinite cache (`INFINITE_LABEL`) is a grey dotted line at its ratio. Line ``i`` of
+    ``m`` is shifted by ``(i - (m - 1) / 2) · SIZE_OFFSET_LOG2`` on the log2 size axis so
+    that coinciding lines (the horizon oracle at H = 0 is LRU) stay visible.
+    """
+    labels = list(dict.fromkeys(str(r["policy"]) for r in rows))
+    if not labels:
+        raise ConfigError("a replay plot needs at least one row")
+    fig = _figure(9.5, 5.0)
+    ax = fig.subplots()
+    lines = [p for p in labels if p != INFINITE_LABEL]
+    families: dict[str, list[str]] = {}
+    for p in lines:
+        families.setdefault(p.split(" ", 1)[0], []).append(p)
+    m = len(lines)
+    sizes = sorted({int(r["capacity_blocks"]) for r in rows})
+    for i, p in enumerate(lines):
+        base = p.split(" ", 1)[0]
+        style = policy_style(base)
+        members = families[base]
+        k = members.index(p)
+        color = _shade(style["color"], k / (len(members) + 1)) if len(members) > 1 \
+            else style["color"]
+        others = [mk for mk in MARKERS if mk != style["marker"]]
+        marker = style["marker"] if k == 0 else others[(k - 1) % len(others)]
+        pts = sorted((int(r["capacity_blocks"]), float(r[metric])) for r in rows
+                     if r["policy"] == p)
+        shift = 2.0 ** ((i - (m - 1) / 2) * SIZE_OFFSET_LOG2)
+        ax.plot([c * shift for c, _ in pts], [v for _, v in pts], label=p, color=color,
+                marker=marker, markersize=6, linewidth=1.4, zorder=3 + i,
+                linestyle="--" if is_offline(base) else "-")
+    inf = [float(r[metric]) for r in rows if r["policy"] == INFINITE_LABEL]
+    if inf:
+        ax.axhline(max(inf), color="grey", linewidth=1.0, linestyle=":",
+                   label=f"infinite cache ({max(inf):.3f})")
+    _size_axis(ax, sizes)
+    spread = 2.0 ** ((m - 1) / 2 * SIZE_OFFSET_LOG2) - 1.0
+    note = ("exact replay: dashed = oracles\n"
+            + (f"x shifted ≤ ±{spread:.0%} per line\nso coinciding lines stay visible"
+               if m > 1 else ""))
+    _decorate(fig, ax, title, "pool size (blocks, log scale)", _metric_text(metric)[0],
+              note.rstrip())
+    return fig
+
+
+def plot_replay(rows: Sequence[Mapping[str, Any]], path: Path, title: str, *,
+                metric: str = "block_hit_ratio") -> None:
+    """`replay_figure` saved as a PNG at ``path``."""
+    _save(replay_figure(rows, title, metric=metric), path)
 
 
 def _cdf_series(values: Sequence[float] | Mapping[Any, Sequence[float]]) -> list[list[float]]:

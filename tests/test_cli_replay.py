@@ -62,7 +62,7 @@ def test_replay_prints_the_library_table_and_writes_results_json(capsys, head, t
     assert lines[0] == f"trace {head} (mooncake): {HEAD:,} requests; blocks of 512 tokens; " \
                        "time axis index"
     assert "\n".join(lines[1:6]) == format_table(table)
-    assert lines[-1] == f"wrote results.json to {out}"
+    assert lines[-1] == f"wrote results.json, hit_ratio.png to {out}"
     assert captured.err == ""  # --quiet
     payload = json.loads((out / "results.json").read_text())
     keys = ("policy", "capacity_blocks", "hits", "accesses", "token_hits", "evictions",
@@ -72,6 +72,43 @@ def test_replay_prints_the_library_table_and_writes_results_json(capsys, head, t
     assert payload["requests"] == HEAD and payload["block_size"] == 512
     assert payload["command"] == (f"kvevict replay --trace {head} --sizes 300,900 --policies "
                                   f"lru,lfu,belady --out {out} --quiet")
+    png = (out / "hit_ratio.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def test_replay_oracle_rows_horizons_and_the_infinite_cache(capsys, head, tmp_path):
+    out = tmp_path / "out"
+    captured = run(capsys, ["replay", "--trace", str(head), "--sizes", "300,900", "--time",
+                            "arrival", "--policies", "lru,horizon-oracle,reuse-oracle,infinite",
+                            "--horizons", "30,inf", "--out", str(out), "--quiet"])
+    table = replay_table(read_mooncake(head), ["lru", "horizon-oracle", "reuse-oracle",
+                                               "infinite"], [300, 900], time="arrival",
+                         horizons=[30, float("inf")])
+    assert table.policies == ["lru", "horizon-oracle H=30", "horizon-oracle H=inf",
+                              "reuse-oracle", "infinite"]
+    assert format_table(table) in captured.out
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["policies"] == table.policies and payload["horizons"] == [30.0, "inf"]
+    assert [r["hits"] for r in payload["results"]] == [r.hits for r in table.results]
+    assert (out / "hit_ratio.png").stat().st_size > 20_000
+    # H = inf is the reuse oracle, row for row
+    assert table.ratios()["horizon-oracle H=inf"] == table.ratios()["reuse-oracle"]
+
+
+def test_replay_oracle_flag_errors(capsys, head):
+    message = user_error(capsys, ["replay", "--trace", str(head), "--horizons", "-3",
+                                  "--policies", "lru", "--quiet"])
+    assert "horizon must be >= 0" in message
+    with pytest.raises(SystemExit) as info:  # argparse's own error, exit status 2
+        main(["replay", "--trace", str(head), "--horizons", "soon"])
+    assert info.value.code == 2
+    assert "--horizons: expected comma-separated numbers, got 'soon'" in capsys.readouterr().err
+    message = user_error(capsys, ["replay", "--trace", str(head), "--policies",
+                                  "lru,infinite,infinite", "--quiet"])
+    assert "--policies lists infinite twice" in message
+    message = user_error(capsys, ["replay", "--trace", str(head), "--engine", "vllm-offload",
+                                  "--horizons", "30", "--quiet"])
+    assert "--horizons is for --engine kvevict" in message
 
 
 def test_replay_default_is_the_bundled_trace_and_every_policy(capsys):
@@ -79,7 +116,8 @@ def test_replay_default_is_the_bundled_trace_and_every_policy(capsys):
                             "token_hit_ratio"])
     rows = [line for line in captured.out.splitlines() if line.startswith("| ")][1:]
     names = [row.split(" | ")[0][2:] for row in rows]
-    assert names[-1] == "belady" and {"lru", "lfu", "market"} <= set(names)
+    assert names[-4:] == ["horizon-oracle", "reuse-oracle", "belady", "infinite"]
+    assert {"lru", "lfu", "market"} <= set(names)
     table = replay_table(read_mooncake(bundled_trace_path()), ["lru", "belady"], [2000])
     assert f"| lru | {table.get('lru', 2000).token_hit_ratio:.4f} |" in captured.out
     assert f"| belady | {table.get('belady', 2000).token_hit_ratio:.4f} |" in captured.out

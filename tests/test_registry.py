@@ -185,14 +185,15 @@ def test_build_policy_offline_with_params_builds_from_them():
 # -- the offline attribute ---------------------------------------------------------------------
 
 
-def test_offline_marks_belady_only():
+def test_offline_marks_the_oracles_only():
     assert Belady.offline is True
     assert is_offline("belady") and is_offline(Belady) and is_offline(Belady())
-    assert [n for n in available_policies() if is_offline(n)] == ["belady"]
+    assert [n for n in available_policies() if is_offline(n)] == ["belady", "horizon-oracle",
+                                                                  "reuse-oracle"]
     assert not is_offline("lru") and not is_offline(LRU())
     assert not is_offline("unbounded")  # a label that is no registered name
     assert online_first(["belady", "lru", "lfu"]) == ["lru", "lfu", "belady"]
-    assert replay_table(REQS, None, [4], BS).policies[-1] == "belady"
+    assert replay_table(REQS, None, [4], BS).policies[-2:] == ["belady", "infinite"]
 
 
 def test_an_offline_class_needs_the_from_requests_hook():

@@ -34,6 +34,10 @@ GOLDEN = {
     "lru": (0.0841, 0.1464, 0.2793, 0.4239, 0.5718),
     "market": (0.0806, 0.1455, 0.2831, 0.4230, 0.5718),
     "pinned": (0.0841, 0.1464, 0.2793, 0.4239, 0.5718),
+    # the oracles (tests/test_oracles.py has them on the arrival axis): whether a block comes
+    # back does not depend on the axis; within 300 *requests* does
+    "reuse-oracle": (0.1229, 0.1995, 0.4022, 0.5904, 0.6396),
+    "horizon-oracle": (0.1881, 0.2888, 0.4260, 0.5057, 0.5966),
 }
 
 TRACE_SHA256 = "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131"
@@ -231,6 +235,10 @@ def test_command_line(tmp_path, capsys):
     assert out[2].startswith("| lru | ") and out[3].startswith("| belady | ")
     assert main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert "neither" in capsys.readouterr().err
+    assert main(["--trace", str(path), "--sizes", "4", "--policies",
+                 "lru,horizon-oracle,infinite", "--horizons", "1,2", "--block-size", "4"]) == 0
+    rows = [line.split(" | ")[0][2:] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == ["lru", "horizon-oracle H=1", "horizon-oracle H=2", "infinite"]
 
 
 # -- the Mooncake reader ----------------------------------------------------------------------

@@ -1,6 +1,12 @@
 """``kvevict replay``: the exact block-level replay of a trace (`kvevict.replay`: one request
 at a time, no timing) through policies at several pool sizes; prints a Markdown table, and
-with ``--out DIR`` writes ``results.json``.
+with ``--out DIR`` writes ``results.json`` and ``hit_ratio.png`` (every row against pool
+size, `kvevict.report.plot_replay`).
+
+By default the table is the **oracle decomposition**: every registered online policy, then
+the horizon oracle (``--horizons`` sweeps its H), the reuse oracle, Belady and the infinite
+cache (`kvevict.replay.default_policies`). ``--policies`` picks rows by name, ``infinite``
+included.
 
 The trace streams (`kvevict.workloads.TraceFile`): memory follows the cache, not the
 trace, and ``belady`` reads its future from a next-use file written by a first pass (see
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +31,8 @@ from typing import Any
 from kvevict.cli.common import (
     FORMATS,
     Progress,
+    csv_list,
+    float_list,
     import_policy_modules,
     int_list,
     parse_policies,
@@ -32,6 +41,7 @@ from kvevict.cli.common import (
     recorded_command,
 )
 from kvevict.errors import ConfigError
+from kvevict.policies.oracles import DEFAULT_HORIZON
 
 __all__ = ["DEFAULT_SIZES", "ENGINES", "add_parser", "replay_command"]
 
@@ -62,9 +72,14 @@ def add_parser(sub: Any) -> None:
                           "default) or vLLM's real CPUOffloadingManager (needs vLLM; sizes "
                           "in offload chunks)")
     rep.add_argument("--policies", default=None,
-                     help="comma-separated policy names (default: every registered one, "
-                          "the offline ones last; with --engine vllm-offload: vllm:lru, "
-                          "vllm:arc and every registered online one)")
+                     help="comma-separated policy names, and 'infinite' for the infinite "
+                          "cache (default: every registered online policy, then "
+                          "horizon-oracle, reuse-oracle, belady and infinite; with --engine "
+                          "vllm-offload: vllm:lru, vllm:arc and every registered online one)")
+    rep.add_argument("--horizons", type=float_list, default=None, metavar="H,...",
+                     help="the horizon oracle at each H (seconds with --time arrival, "
+                          "requests with --time index): one row 'horizon-oracle H=...' each, "
+                          f"in place of its row at the default H ({DEFAULT_HORIZON:g})")
     policy_module_arg(rep)
     rep.add_argument("--block-size", type=int, default=None,
                      help="tokens per block: a Mooncake trace's own (512 unless the file says "
@@ -81,7 +96,9 @@ def add_parser(sub: Any) -> None:
     rep.add_argument("--workdir", type=Path, default=None,
                      help="directory for belady's next-use files (default: the system's "
                           "temporary directory; removed at the end)")
-    rep.add_argument("--out", type=Path, help="write results.json here")
+    rep.add_argument("--out", type=Path,
+                     help="write results.json and hit_ratio.png (every row against pool "
+                          "size) here")
     rep.add_argument("--quiet", action="store_true", help="no progress output")
     rep.set_defaults(run=replay_command)
 
@@ -108,16 +125,26 @@ class _Bars:
 
 
 def _policies(args: argparse.Namespace) -> list[str]:
-    """``--policies``, or every registered policy (the offline ones last) once the
+    """``--policies`` (registered names and ``infinite``), or `default_policies` once the
     ``--policy-module`` modules and the entry points are loaded."""
-    from kvevict.policies import available_policies
-    from kvevict.policies.registry import load_entry_point_policies, online_first
+    from kvevict.policies.registry import check_distinct, load_entry_point_policies
+    from kvevict.replay import INFINITE, default_policies
 
     if args.policies is not None:
-        return parse_policies(args.policies, args.policy_module)
+        names = csv_list(args.policies)
+        check_distinct(names, "--policies")
+        named = [n for n in names if n != INFINITE]
+        if named:
+            parse_policies(",".join(named), args.policy_module)
+        elif not names:
+            parse_policies("", args.policy_module)  # names the valid ones
+        else:
+            load_entry_point_policies()
+            import_policy_modules(args.policy_module)
+        return names
     load_entry_point_policies()
     import_policy_modules(args.policy_module)
-    return online_first(available_policies())
+    return default_policies()
 
 
 def _vllm_replay():
@@ -162,6 +189,11 @@ def _offload_policies(args: argparse.Namespace, vllm_policies: tuple[str, ...]) 
     return names
 
 
+def _plot_metric(metric: str) -> str:
+    """The plot's y axis: ``--metric`` when it is a hit ratio, else the block hit ratio."""
+    return metric if metric.endswith("hit_ratio") else "block_hit_ratio"
+
+
 def replay_command(args: argparse.Namespace) -> int:
     from kvevict.replay import format_table, open_trace, replay_table
 
@@ -179,7 +211,14 @@ def replay_command(args: argparse.Namespace) -> int:
     if args.workdir is not None and not args.workdir.is_dir():
         raise ConfigError(f"--workdir {args.workdir} is not a directory")
     engine = getattr(args, "engine", "kvevict")
+    horizons = getattr(args, "horizons", None)
+    if horizons is not None and not horizons:
+        raise ConfigError("--horizons needs at least one H (a number of seconds with --time "
+                          "arrival, of requests with --time index)")
     if engine == "vllm-offload":
+        if horizons is not None:
+            raise ConfigError("--horizons is for --engine kvevict: the horizon oracle is "
+                              "offline, and --engine vllm-offload runs online policies only")
         if args.records:
             raise ConfigError("--records is for --engine kvevict; the vllm-offload replay "
                               "keeps no per-request records")
@@ -205,7 +244,8 @@ def replay_command(args: argparse.Namespace) -> int:
         table = replay_table(trace, policies, sizes, block_size, time=args.time,
                              records=args.records,
                              progress=None if args.quiet else _Bars(total, args.quiet),
-                             workdir=args.workdir)
+                             workdir=args.workdir, horizons=horizons)
+        policies = list(table.policies)
         unit = "blocks"
     requests = table.results[0].requests if table.results else 0
     print(f"trace {args.trace} ({args.format}): {requests:,} requests; {unit} of "
@@ -220,6 +260,8 @@ def replay_command(args: argparse.Namespace) -> int:
             "time": args.time, "requests": requests, "sizes": sizes, "policies": policies,
             "results": table.rows(), "command": recorded_command(args), "engine": engine,
         }
+        if horizons is not None:  # an infinite H as "inf" (JSON has no infinity)
+            payload["horizons"] = [h if math.isfinite(h) else "inf" for h in horizons]
         if engine == "vllm-offload":
             from kvevict.adapters.vllm import vllm_version
 
@@ -227,5 +269,14 @@ def replay_command(args: argparse.Namespace) -> int:
         if args.policy_module:
             payload["policy_modules"] = policy_module_files(args)
         (out / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-        print(f"wrote results.json to {out}")
+        written = ["results.json"]
+        if engine == "kvevict":
+            from kvevict.report import plot_replay
+
+            axis = "arrival seconds" if args.time == "arrival" else "request index"
+            plot_replay(table.rows(), out / "hit_ratio.png",
+                        f"{Path(str(args.trace)).name}: exact replay, {block_size}-token "
+                        f"blocks, {axis} clock", metric=_plot_metric(args.metric))
+            written.append("hit_ratio.png")
+        print(f"wrote {', '.join(written)} to {out}")
     return 0

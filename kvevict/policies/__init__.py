@@ -14,6 +14,7 @@ from kvevict.policies.learned import LearnedReuse
 from kvevict.policies.lfu import LFU
 from kvevict.policies.lru import LRU
 from kvevict.policies.market import Market, MarketAdmission
+from kvevict.policies.oracles import HorizonOracle, ReuseOracle
 from kvevict.policies.pinned import RefcountPinned
 
 __all__ = [
@@ -23,10 +24,12 @@ __all__ = [
     "LearnedReuse",
     "BayesReuse",
     "Belady",
+    "HorizonOracle",
     "Market",
     "MarketAdmission",
     "Policy",
     "RefcountPinned",
+    "ReuseOracle",
     "ScoredPolicy",
     "available_policies",
     "make_policy",

@@ -60,7 +60,8 @@ from kvevict.hashing import block_hashes
 from kvevict.policies.base import ScoredPolicy, register_policy
 from kvevict.types import BlockInfo, Request
 
-__all__ = ["NEVER", "Belady", "FileBelady", "NextUseFile", "request_times"]
+__all__ = ["NEVER", "Belady", "FileBelady", "NextUseFile", "NextUseReader", "future_of",
+           "request_times"]
 
 _TIME_MODES = ("index", "arrival")
 
@@ -86,6 +87,38 @@ def request_times(requests: Sequence[Request], time: str = "index") -> list[floa
             last = t
         return out
     raise ConfigError(f"time must be one of {', '.join(_TIME_MODES)}, got {time!r}")
+
+
+def future_of(requests: Iterable[Request], *, block_size: int | None = None,
+              extra_key: Any = None,
+              time: str | Sequence[float] = "index") -> dict[Any, list[float]]:
+    """The future of a known sequence of requests: block hash -> the sorted clock times of
+    the requests that use it (what `Belady` takes; `Belady.from_requests` documents the
+    arguments). Shared by the offline policies built from requests."""
+    reqs = list(requests)
+    for req in reqs:
+        if not isinstance(req, Request):
+            raise ConfigError(f"from_requests takes Requests, got {type(req).__name__}")
+    if isinstance(time, str):
+        times = request_times(reqs, time)
+    else:
+        times = list(time)
+        if len(times) != len(reqs):
+            raise ConfigError(f"time gives {len(times)} values for {len(reqs)} requests")
+    future: dict[Any, list[float]] = {}
+    for req, t in zip(reqs, times, strict=True):
+        if req.block_hashes is not None:
+            hashes: Iterable[Any] = req.block_hashes
+        else:
+            if block_size is None:
+                raise ConfigError(
+                    f"request {req.request_id!r} gives tokens; pass block_size= to hash "
+                    "them into blocks"
+                )
+            hashes = block_hashes(req.tokens, block_size, extra_key)
+        for h in hashes:
+            future.setdefault(h, []).append(t)
+    return future
 
 
 @register_policy("belady")
@@ -149,30 +182,15 @@ class Belady(ScoredPolicy):
                 at ``i``), ``"arrival"`` (its arrival, made strictly increasing; see
                 `request_times`) or an explicit sequence, one time per request.
         """
-        reqs = list(requests)
-        for req in reqs:
-            if not isinstance(req, Request):
-                raise ConfigError(f"from_requests takes Requests, got {type(req).__name__}")
-        if isinstance(time, str):
-            times = request_times(reqs, time)
-        else:
-            times = list(time)
-            if len(times) != len(reqs):
-                raise ConfigError(f"time gives {len(times)} values for {len(reqs)} requests")
-        future: dict[Any, list[float]] = {}
-        for req, t in zip(reqs, times, strict=True):
-            if req.block_hashes is not None:
-                hashes: Iterable[Any] = req.block_hashes
-            else:
-                if block_size is None:
-                    raise ConfigError(
-                        f"request {req.request_id!r} gives tokens; pass block_size= to hash "
-                        "them into blocks"
-                    )
-                hashes = block_hashes(req.tokens, block_size, extra_key)
-            for h in hashes:
-                future.setdefault(h, []).append(t)
-        return cls(future)
+        return cls(future_of(requests, block_size=block_size, extra_key=extra_key, time=time))
+
+    @classmethod
+    def from_next_uses(cls, future: NextUseFile, capacity_blocks: int, *,
+                       time: str = "index") -> FileBelady:
+        """The same oracle with its future read from a `NextUseFile` (what `kvevict.replay`
+        builds for ``"belady"`` by name): a `FileBelady`. ``time`` is the replay's clock axis;
+        Belady's order does not depend on it (next uses are compared by request index)."""
+        return FileBelady(future, capacity_blocks)
 
     @property
     def num_blocks_known(self) -> int:
@@ -279,11 +297,15 @@ class NextUseFile:
 
     A request that needs its requests again after a one-shot iterator is consumed can ask
     for ``spill=True``: the forward pass then also pickles each request to ``requests.pkl``
-    and `spilled` reads them back.
+    and `spilled` reads them back. An oracle that needs the clock time of a future request
+    (the horizon oracle of `kvevict.policies.oracles`, on the arrival axis) asks for
+    ``arrivals=True``: each request's ``arrival`` then goes to ``arrival.f64`` (float64, 8
+    bytes per request), read through `arrival_window`.
     """
 
     def __init__(self, root: str, *, num_requests: int, num_accesses: int, num_slots: int,
-                 base: int, max_need: int, block_size: int, spill: bool) -> None:
+                 base: int, max_need: int, block_size: int, spill: bool,
+                 arrivals: bool = False) -> None:
         self.root = root
         self.num_requests = num_requests
         self.num_accesses = num_accesses
@@ -292,6 +314,7 @@ class NextUseFile:
         self.max_need = max_need
         self.block_size = block_size
         self.has_spill = spill
+        self.has_arrivals = arrivals
         self.base = base  # slot of stored id -1 is base; of id -1 - k, base + k
         self.next_dtype = np.dtype(np.int32 if num_requests < 2**31 - 1 else np.int64)
         self.closed = False
@@ -303,7 +326,8 @@ class NextUseFile:
     @classmethod
     def build(cls, requests: Iterable[Request], *, block_size: int, extra_key: Any = None,
               directory: str | os.PathLike[str] | None = None, spill: bool = False,
-              on_request: Callable[[int], None] | None = None) -> NextUseFile:
+              on_request: Callable[[int], None] | None = None,
+              arrivals: bool = False) -> NextUseFile:
         """Read ``requests`` once (in the order they will begin) and write their block ids.
 
         Args:
@@ -315,6 +339,7 @@ class NextUseFile:
             spill: also keep a copy of the requests (`spilled`), for a one-shot iterator.
             on_request: called with the number of requests read so far, every 1,000 and at
                 the end (a progress display).
+            arrivals: also write each request's arrival (`arrival_window` reads them).
         """
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
@@ -323,7 +348,8 @@ class NextUseFile:
         root = tempfile.mkdtemp(prefix="kvevict-future-",
                                 dir=None if directory is None else os.fspath(directory))
         try:
-            return cls._forward(root, requests, block_size, extra_key, spill, on_request)
+            return cls._forward(root, requests, block_size, extra_key, spill, on_request,
+                                arrivals)
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)
             raise
@@ -331,16 +357,19 @@ class NextUseFile:
     @classmethod
     def _forward(cls, root: str, requests: Iterable[Request], block_size: int,
                  extra_key: Any, spill: bool,
-                 on_request: Callable[[int], None] | None) -> NextUseFile:
+                 on_request: Callable[[int], None] | None,
+                 arrivals: bool = False) -> NextUseFile:
         others: dict[Any, int] = {}
         buf: list[Any] = []
         offsets: list[int] = []
         needs: list[int] = []
+        times: list[float] = []
         state = {"max": -1}
         accesses = 0
         max_need = 0
         count = 0
         spill_fh = open(os.path.join(root, "requests.pkl"), "wb") if spill else None
+        time_fh = open(os.path.join(root, "arrival.f64"), "wb") if arrivals else None
         with open(os.path.join(root, "ids.i64"), "wb") as ids_fh, \
                 open(os.path.join(root, "offsets.i64"), "wb") as off_fh, \
                 open(os.path.join(root, "need.i64"), "wb") as need_fh:
@@ -356,6 +385,8 @@ class NextUseFile:
                     max_need = max(max_need, need)
                     offsets.append(accesses)
                     needs.append(need)
+                    if time_fh is not None:
+                        times.append(float(req.arrival))
                     buf.extend(hashes)
                     accesses += len(hashes)
                     count += 1
@@ -367,11 +398,18 @@ class NextUseFile:
                         np.asarray(offsets, dtype=np.int64).tofile(off_fh)
                         np.asarray(needs, dtype=np.int64).tofile(need_fh)
                         offsets, needs = [], []
+                        if time_fh is not None:
+                            np.asarray(times, dtype=np.float64).tofile(time_fh)
+                            times = []
                     if on_request is not None and count % 1000 == 0:
                         on_request(count)
+                if time_fh is not None:
+                    np.asarray(times, dtype=np.float64).tofile(time_fh)
             finally:
                 if spill_fh is not None:
                     spill_fh.close()
+                if time_fh is not None:
+                    time_fh.close()
             cls._flush_ids(buf, ids_fh, others, state)
             offsets.append(accesses)
             np.asarray(offsets, dtype=np.int64).tofile(off_fh)
@@ -385,7 +423,7 @@ class NextUseFile:
             base = cls._renumber(os.path.join(root, "ids.i64"), accesses)
         return cls(root, num_requests=count, num_accesses=accesses,
                    num_slots=base + len(others), base=base, max_need=max_need,
-                   block_size=block_size, spill=spill)
+                   block_size=block_size, spill=spill, arrivals=arrivals)
 
     @staticmethod
     def _flush_ids(buf: list[Any], fh: Any, others: dict[Any, int],
@@ -527,6 +565,14 @@ class NextUseFile:
                 _Window(self._path("need.i64"), i64, self.num_requests),
                 _Window(self.next_uses(capacity_blocks), self.next_dtype, self.num_accesses))
 
+    def arrival_window(self) -> _Window:
+        """A sequential reader of the requests' arrivals (``build(..., arrivals=True)``):
+        ``arrival_window().get(start, count)`` is a float64 array of the arrivals of requests
+        ``start`` to ``start + count - 1``, as the trace gives them (not made increasing)."""
+        if not self.has_arrivals:
+            raise ConfigError("this NextUseFile was built without arrivals=True")
+        return _Window(self._path("arrival.f64"), np.dtype(np.float64), self.num_requests)
+
     def spilled(self) -> Iterator[Request]:
         """The requests, read back from the spill file (``build(..., spill=True)``)."""
         if not self.has_spill:
@@ -563,29 +609,24 @@ class NextUseFile:
                 f"slots={self.num_slots:,})")
 
 
-class FileBelady(ScoredPolicy):
-    """`Belady` with its future read from a `NextUseFile`: the same victims, for a trace of
-    any length.
+class NextUseReader:
+    """Follows a replay through a `NextUseFile`: for each cached block, the index of the next
+    request that uses it (`NEVER`: none), the part every file-backed oracle shares
+    (`FileBelady`, and the reuse and horizon oracles of `kvevict.policies.oracles`).
 
-    It follows the replay through ``on_begin``: the ``k``-th request that begins is the
+    Its policy calls `begin` from ``on_begin``: the ``k``-th request that begins is the
     ``k``-th request of the file that fits the pool (``need <= capacity_blocks``; the others
     never begin), and each of its blocks (its hits, then the blocks it cached, in chain
-    order) takes the next use stored for that access. A block's score while it is a
-    candidate is ``-(index of the next request using it)`` (``-inf``: never again), which
-    orders candidates exactly as `Belady`'s ``-(time of the next use)`` does on any strictly
-    increasing time axis, with the same tie-break (least recently accessed first); see the
-    module docstring for why a key fixed when a block becomes a candidate stays right.
+    order) takes the next use stored for that access. One number per cached block, and
+    memory-mapped windows of the files.
 
-    It keeps one number per cached block, and memory-mapped windows of the files. Built by
-    `kvevict.replay` for ``"belady"``; `NextUseFile.policy` builds one by hand. A request
-    that does not match the file (another count of blocks) is a `ConfigError`.
+    Args:
+        future: the file, built from the requests the replay will begin, in order.
+        capacity_blocks: the pool's size (which requests never begin, and which next-use
+            file applies).
     """
 
-    name: ClassVar[str] = "belady"
-    offline: ClassVar[bool] = True
-
     def __init__(self, future: NextUseFile, capacity_blocks: int) -> None:
-        super().__init__()
         if not isinstance(future, NextUseFile):
             raise ConfigError(f"future must be a NextUseFile, got {type(future).__name__}")
         if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) \
@@ -603,8 +644,10 @@ class FileBelady(ScoredPolicy):
         """Requests of the file passed so far (begun, or skipped as too large)."""
         return self._cursor
 
-    def on_begin(self, request: Request, hits: Sequence[BlockInfo],
-                 new: Sequence[BlockInfo], now: float) -> None:
+    def begin(self, request: Request, hits: Sequence[BlockInfo],
+              new: Sequence[BlockInfo]) -> None:
+        """``request`` began with these hits and new blocks: record their next uses. A
+        request that does not match the file (another count of blocks) is a `ConfigError`."""
         i = self._cursor
         n = self.future.num_requests
         while i < n and int(self._need.get(i, 1)[0]) > self.capacity_blocks:
@@ -629,27 +672,76 @@ class FileBelady(ScoredPolicy):
             j += 1
         self._cursor = i + 1
 
-    def score(self, block: BlockInfo, now: float) -> float:
-        use = self._next_of.get(block.block_id)
+    def next_use(self, block_id: int, who: str = "this oracle") -> int:
+        """The index of the next request using cached block ``block_id`` (`NEVER`: none); a
+        block no request has begun with is a `ConfigError` (``who`` names the policy)."""
+        use = self._next_of.get(block_id)
         if use is None:
-            raise ConfigError(f"block {block.block_id} became a candidate before any request "
-                              "that began used it; FileBelady follows kvevict.replay only")
-        return -math.inf if use < 0 else -float(use)
+            raise ConfigError(f"block {block_id} became a candidate before any request "
+                              f"that began used it; {who} follows kvevict.replay only")
+        return use
 
-    def on_evict(self, block: BlockInfo, now: float) -> None:
-        super().on_evict(block, now)
-        self._next_of.pop(block.block_id, None)
-
-    def pop_victim(self, now: float) -> int | None:
-        chosen = super().pop_victim(now)
-        if chosen is not None:
-            self._next_of.pop(chosen, None)
-        return chosen
+    def forget(self, block_id: int) -> None:
+        """``block_id`` was evicted."""
+        self._next_of.pop(block_id, None)
 
     def close(self) -> None:
         """Unmap the windows."""
         for window in (self._offsets, self._need, self._next):
             window.close()
+
+
+class FileBelady(ScoredPolicy):
+    """`Belady` with its future read from a `NextUseFile`: the same victims, for a trace of
+    any length.
+
+    It follows the replay through ``on_begin`` with a `NextUseReader`. A block's score while
+    it is a candidate is ``-(index of the next request using it)`` (``-inf``: never again),
+    which orders candidates exactly as `Belady`'s ``-(time of the next use)`` does on any
+    strictly increasing time axis, with the same tie-break (least recently accessed first);
+    see the module docstring for why a key fixed when a block becomes a candidate stays
+    right.
+
+    It keeps one number per cached block, and memory-mapped windows of the files. Built by
+    `kvevict.replay` for ``"belady"``; `NextUseFile.policy` builds one by hand. A request
+    that does not match the file (another count of blocks) is a `ConfigError`.
+    """
+
+    name: ClassVar[str] = "belady"
+    offline: ClassVar[bool] = True
+
+    def __init__(self, future: NextUseFile, capacity_blocks: int) -> None:
+        super().__init__()
+        self.reader = NextUseReader(future, capacity_blocks)
+        self.future = future
+        self.capacity_blocks = capacity_blocks
+
+    @property
+    def requests_begun(self) -> int:
+        """Requests of the file passed so far (begun, or skipped as too large)."""
+        return self.reader.requests_begun
+
+    def on_begin(self, request: Request, hits: Sequence[BlockInfo],
+                 new: Sequence[BlockInfo], now: float) -> None:
+        self.reader.begin(request, hits, new)
+
+    def score(self, block: BlockInfo, now: float) -> float:
+        use = self.reader.next_use(block.block_id, "FileBelady")
+        return -math.inf if use < 0 else -float(use)
+
+    def on_evict(self, block: BlockInfo, now: float) -> None:
+        super().on_evict(block, now)
+        self.reader.forget(block.block_id)
+
+    def pop_victim(self, now: float) -> int | None:
+        chosen = super().pop_victim(now)
+        if chosen is not None:
+            self.reader.forget(chosen)
+        return chosen
+
+    def close(self) -> None:
+        """Unmap the windows."""
+        self.reader.close()
 
     def __repr__(self) -> str:
         return f"FileBelady({self.future!r}, capacity_blocks={self.capacity_blocks})"

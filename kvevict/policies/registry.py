@@ -7,8 +7,9 @@ of `Policy` subclasses (re-exported by `kvevict.policies.base` and `kvevict.poli
 requests the run will see. It provides the classmethod hook
 ``from_requests(requests, *, block_size, extra_key, time)`` that builds it from them, ``time``
 being the clock value of each request's ``begin`` (``"index"``, ``"arrival"`` or one value per
-request; see `kvevict.policies.belady.request_times`). `build_policy` calls that hook, so the
-simulator, the replay and the engine build every policy the same way; reports use
+request; see `kvevict.policies.belady.request_times`), and any parameter of the policy's
+own as a further keyword (``horizon`` for the horizon oracle). `build_policy` calls that hook,
+so the simulator, the replay and the engine build every policy the same way; reports use
 `is_offline` to label the oracle and never choose it.
 
 **Policies from elsewhere.** `load_policy_modules` imports modules that register policies
@@ -37,8 +38,8 @@ from kvevict.registry import Registry
 from kvevict.types import Request
 
 __all__ = ["ENTRY_POINT_GROUP", "POLICIES", "PolicySpec", "available_policies", "build_policy",
-           "check_distinct", "is_offline", "load_entry_point_policies", "load_policy_modules",
-           "make_policy", "online_first", "register_policy"]
+           "check_distinct", "hook_parameters", "is_offline", "load_entry_point_policies",
+           "load_policy_modules", "make_policy", "online_first", "register_policy"]
 
 #: The registry of residency policies.
 POLICIES: Registry[Policy] = Registry("policy", Policy)
@@ -196,6 +197,17 @@ def online_first(names: Iterable[str]) -> list[str]:
     return [n for n in names if not is_offline(n)] + [n for n in names if is_offline(n)]
 
 
+def hook_parameters(hook: Callable[..., Any]) -> set[str]:
+    """The keyword-only parameters of an offline class's hook (``from_requests``, or the
+    replay's ``from_next_uses``) that are the policy's own: all but ``block_size``,
+    ``extra_key`` and ``time``, which every such hook takes."""
+    import inspect
+
+    sig = inspect.signature(hook).parameters
+    return {n for n, p in sig.items() if p.kind is p.KEYWORD_ONLY} - {"block_size",
+                                                                     "extra_key", "time"}
+
+
 def build_policy(spec: PolicySpec, params: Mapping[str, Any] | None = None, *,
                  requests: Sequence[Request] | None = None, block_size: int | None = None,
                  time_axis: str | Sequence[float] = "index", extra_key: Any = None) -> Policy:
@@ -208,7 +220,9 @@ def build_policy(spec: PolicySpec, params: Mapping[str, Any] | None = None, *,
         spec: a registered name, a `Policy` instance (returned as is) or a zero-argument
             factory returning a fresh `Policy`.
         params: parameters of a policy given by name. An offline policy given parameters
-            is built from them as any other (its future among them), not from ``requests``.
+            that its ``from_requests`` takes as keywords of its own (the horizon oracle's
+            ``horizon``) is built from ``requests`` with them; given others (its future
+            among them) it is built from them as any other, not from ``requests``.
         requests: the requests the run will begin, in that order. An offline policy given
             by name alone is built from them (its ``from_requests`` hook).
         block_size: tokens per block, to hash token-mode requests for an offline policy.
@@ -238,6 +252,10 @@ def build_policy(spec: PolicySpec, params: Mapping[str, Any] | None = None, *,
     cls = POLICIES.get(spec)
     if not is_offline(cls):
         return POLICIES.make(spec, **params)
+    if params and requests is not None \
+            and set(params) <= hook_parameters(cls.from_requests):  # type: ignore
+        return cls.from_requests(requests, block_size=block_size,  # type: ignore[attr-defined]
+                                 extra_key=extra_key, time=time_axis, **params)
     if params:
         try:
             return POLICIES.make(spec, **params)
