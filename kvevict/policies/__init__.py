@@ -9,6 +9,7 @@ from kvevict.policies.base import (
 )
 from kvevict.policies.bayes import BayesReuse
 from kvevict.policies.belady import Belady
+from kvevict.policies.classic import ARC, GDSF, S3FIFO, SLRU, TwoQ
 from kvevict.policies.dbms import DBMS
 from kvevict.policies.lfu import LFU
 from kvevict.policies.lru import LRU
@@ -16,9 +17,13 @@ from kvevict.policies.market import Market, MarketAdmission
 from kvevict.policies.pinned import RefcountPinned
 
 __all__ = [
+    "ARC",
     "DBMS",
+    "GDSF",
     "LFU",
     "LRU",
+    "S3FIFO",
+    "SLRU",
     "BayesReuse",
     "Belady",
     "Market",
@@ -26,6 +31,7 @@ __all__ = [
     "Policy",
     "RefcountPinned",
     "ScoredPolicy",
+    "TwoQ",
     "available_policies",
     "make_policy",
     "register_policy",
