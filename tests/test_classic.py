@@ -160,6 +160,35 @@ def test_s3fifo_reinserts_a_main_block_that_is_in_use_when_the_scan_passes_it():
     assert policy.frequency(cache.block_id("x")) == 0
 
 
+def test_s3fifo_a_set_aside_block_hit_since_is_reinserted_before_the_next_victim():
+    """C = 4 (S target 0.4). x, y, p, q are hit once in S; x and y are then in use.
+    r: S has no cold candidate, so the scan promotes all four to M (counters cleared) and goes
+    on in M: x and y are in use at 0 (set aside, first in line), p goes. r is hit. x is hit
+    again while set aside (counter 1), then x and y are released.
+    s: r is promoted; the M scan meets x first (counter 1: reinserted at M's head with 0),
+    then y (a candidate at 0): y goes. M = [q, r, x, s] once s is promoted by t's insertion:
+    q, r, x go in that order (x before s: it was reinserted before s arrived)."""
+    cache = ObjectCache("s3fifo", 4)
+    cache.get("x", "y", "p", "q", "x", "y", "p", "q")
+    cache.start("x")
+    x1 = cache.clock.now
+    cache.start("y")
+    y1 = cache.clock.now
+    cache.get("r")
+    assert cache.evicted == ["p"]
+    cache.get("r")
+    cache.start("x")
+    x2 = cache.clock.now
+    assert cache.policy.frequency(cache.block_id("x")) == 1
+    for name, at in (("x", x1), ("x", x2), ("y", y1)):
+        cache.end(name, at)
+    cache.get("s", "s")
+    assert cache.evicted == ["p", "y"]
+    for name in "tuv":
+        cache.get(name, name)  # each new block is hit at once: S never has a cold candidate
+    assert cache.evicted == ["p", "y", "q", "r", "x"]
+
+
 def test_s3fifo_victim_is_a_stable_peek():
     cache = ObjectCache("s3fifo", 4, small_ratio=0.5)
     cache.get("a", "b", "c", "d")
@@ -709,7 +738,7 @@ def test_the_same_victims_as_the_slow_reference(fast, slow):
             f"{next(i for i, (a, b) in enumerate(zip(ours, reference)) if a != b)}"
 
 
-# -- golden hit ratios on the bundled Mooncake trace ------------------------------------------------
+# -- golden hit ratios on the bundled Mooncake trace -----------------------------------------------
 
 SIZES = (1000, 2000, 5000, 10000, 20000)
 
