@@ -8,10 +8,11 @@
 | ``2q`` | `TwoQ` | Johnson and Shasha, VLDB'94 |
 | ``gdsf`` | `GDSF` | Cherkasova, HP Labs HPL-98-69R1, 1998 |
 
-(Full titles in each module's docstring.)
-Each keeps its paper's queues over every resident block and evicts the first *candidate*
-(cached leaf no sequence uses) in the order the paper evicts in; the queue sizes are fractions
-of a cache size learned from the blocks seen resident (`kvevict.policies.classic.base`).
+Full titles and the defaults' sources are in each module's docstring; the adaptation and the
+measurements in ``docs/policies/classic.md``. Each policy keeps its paper's queues over every
+resident block and evicts the first *candidate* (cached leaf no sequence uses) in the order the
+paper evicts in; the queue sizes are fractions of a cache size learned from the blocks seen
+resident (`kvevict.policies.classic.base`).
 """
 
 from kvevict.policies.classic.arc import ARC

@@ -1,7 +1,7 @@
 """ARC: adaptive replacement between a recency list and a frequency list, steered by ghosts.
 
 Source: Nimrod Megiddo and Dharmendra S. Modha, "ARC: A Self-Tuning, Low Overhead Replacement
-Cache", USENIX FAST'03 (Figure 4, the algorithm ``ARC(c)``).
+Cache", USENIX FAST'03 (the algorithm ``ARC(c)``).
 
 **The algorithm.** ``T1`` holds blocks seen once recently, ``T2`` blocks seen at least twice;
 ``B1`` and ``B2`` remember the hashes of blocks evicted from them (ghosts, no data). ``p`` is

@@ -1,7 +1,7 @@
 """GDSF: Greedy-Dual-Size-Frequency, a cost- and size-aware frequency policy with aging.
 
 Source: Ludmila Cherkasova, "Improving WWW Proxies Performance with Greedy-Dual-Size-Frequency
-Caching Policy", HP Laboratories report HPL-98-69R1, 1998 (section 3); Greedy-Dual-Size is Cao
+Caching Policy", HP Laboratories report HPL-98-69R1, 1998; Greedy-Dual-Size is Cao
 and Irani, "Cost-Aware WWW Proxy Caching Algorithms", USENIX USITS'97.
 
 **The algorithm.** Every cached block ``b`` has a priority

@@ -2,12 +2,12 @@
 reinsertion, and a ghost FIFO of recently filtered block hashes.
 
 Source: Juncheng Yang, Yazhuo Zhang, Ziyue Qiu, Yao Yue and Rashmi Vinayak, "FIFO queues are
-all you need for cache eviction", SOSP'23 (Algorithm 1), and its reference implementation,
-libCacheSim ``libCacheSim/cache/eviction/S3FIFOv0.c`` ("the original S3FIFO implementation
-used in" the paper) and ``S3FIFO.c``.
+all you need for cache eviction", SOSP'23, and its reference implementation, libCacheSim
+``libCacheSim/cache/eviction/S3FIFOv0.c`` ("the original S3FIFO implementation used in" the
+paper) and ``S3FIFO.c``.
 
-**The algorithm** (the paper's Algorithm 1; ``C`` is the cache size). Every block carries a
-frequency counter capped at 3 (two bits), zeroed on insertion; a hit adds one.
+**The algorithm** (``C`` is the cache size). Every block carries a frequency counter capped at
+3 (two bits), zeroed on insertion; a hit adds one.
 
 - *Insert*: a block whose hash is in the ghost queue G goes to the head of the main queue M
   (and leaves G); any other goes to the head of the small queue S.
@@ -19,13 +19,14 @@ frequency counter capped at 3 (two bits), zeroed on insertion; a hit adds one.
 - *Evict from M*: look at M's tail. A block with a counter above 0 is reinserted at M's head
   with the counter decremented; the first block at 0 is evicted.
 
-Defaults: ``small_ratio = 0.1`` (S is 10% of the cache: the paper, section 4, and both
-reference implementations), ``ghost_ratio = 0.9`` (G holds as many entries as M: the paper
-and libCacheSim's ``ghost-size-ratio=0.90``), counters capped at 3 (the paper).
-``move_to_main = 1``: a block hit once while in S is promoted, as in the authors' description
-(S3-FIFO's web page and blog illustrate "small-to-main migration threshold 1": "moved to M if
-it is accessed" ... "its access bits are cleared during the move"). libCacheSim's code defaults
-to 2 (``move-to-main-threshold=2``); ``move_to_main=2`` reproduces it.
+Defaults: ``small_ratio = 0.1`` (S is 10% of the cache, which the authors found to
+"generalize well"; libCacheSim's ``small-size-ratio=0.10``), ``ghost_ratio = 0.9`` (G holds as
+many entries as M; libCacheSim's ``ghost-size-ratio=0.90``), counters capped at 3.
+``move_to_main = 1``: a block hit once while in S is promoted. The authors' S3-FIFO page says
+the tail of S "is either moved to M if it is accessed more than once or G if not" (the
+insertion being the first access) "and its access bits are cleared during the move", and the
+blog's illustration uses "small-to-main migration threshold 1"; libCacheSim's code defaults
+to 2 (``move-to-main-threshold=2``), which ``move_to_main=2`` reproduces.
 
 **Adaptation to a KV prefix cache.** The paper's cache may evict any object; kvevict may evict
 only candidates (cached leaves no running sequence uses). Queue membership covers every
@@ -131,6 +132,14 @@ class S3FIFO(ClassicPolicy):
         self._ghost: OrderedDict[Any, None] = OrderedDict()  # block hashes, oldest first
         self._chosen: int | None = None
         self._num_candidates = 0
+        self._small_limit = self._ghost_limit = 0.0
+        self._resize()
+
+    def _resize(self) -> None:
+        """The targets for the current cache size: S's share and G's bound."""
+        size = self.capacity or self._peak or 1
+        self._small_limit = self.small_ratio * size
+        self._ghost_limit = self.ghost_ratio * size
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -187,6 +196,8 @@ class S3FIFO(ClassicPolicy):
         resident = self._resident = self._resident + 1
         if resident > self._peak:
             self._peak = resident
+            if self.capacity is None:
+                self._resize()
         return entry
 
     on_insert = _admit  # type: ignore[assignment]
@@ -255,8 +266,7 @@ class S3FIFO(ClassicPolicy):
         if entry.queue == _SMALL:
             ghost = self._ghost
             ghost[entry.block.block_hash] = None
-            limit = self.ghost_ratio * (self.capacity or self._peak)
-            while len(ghost) > limit:
+            while len(ghost) > self._ghost_limit:
                 ghost.popitem(last=False)
 
     # -- the eviction scans ----------------------------------------------------------------
@@ -340,7 +350,7 @@ class S3FIFO(ClassicPolicy):
                 entry.parked = True
 
     def _choose(self) -> int | None:
-        if self._small >= self.small_ratio * (self.capacity or self._peak or 1):
+        if self._small >= self._small_limit:
             chosen = self._scan_small()
             return chosen if chosen is not None else self._scan_main()
         chosen = self._scan_main()
@@ -358,12 +368,18 @@ class S3FIFO(ClassicPolicy):
 
     def pop_victim(self, now: float) -> int | None:
         chosen = self._chosen
-        if chosen is None:
+        if chosen is not None:
+            self._chosen = None
+        elif self._small >= self._small_limit:  # _choose, its usual case inlined
+            chosen = self._scan_small()
+            if chosen is None:
+                chosen = self._scan_main()
+                if chosen is None:
+                    return None
+        else:
             chosen = self._choose()
             if chosen is None:
                 return None
-        else:
-            self._chosen = None
         entry = self._entries.pop(chosen)  # _evicted, inlined: once per eviction
         if entry.cand:
             self._num_candidates -= 1
@@ -372,8 +388,7 @@ class S3FIFO(ClassicPolicy):
             self._small -= 1
             ghost = self._ghost
             ghost[entry.block.block_hash] = None
-            limit = self.ghost_ratio * (self.capacity or self._peak)
-            while len(ghost) > limit:
+            while len(ghost) > self._ghost_limit:
                 ghost.popitem(last=False)
         else:
             self._main -= 1

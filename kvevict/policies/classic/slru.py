@@ -14,7 +14,7 @@ Admission Policy", ACM Transactions on Storage 13(4), 2017) and of Caffeine, the
 ships it.
 
 **2Q** (the "full version"). Source: Theodore Johnson and Dennis Shasha, "2Q: A Low Overhead
-High Performance Buffer Management Replacement Algorithm", VLDB'94 (Figure 2). ``A1in`` is a
+High Performance Buffer Management Replacement Algorithm", VLDB'94. ``A1in`` is a
 FIFO of blocks seen once, ``Am`` an LRU of blocks seen again after leaving ``A1in``, and
 ``A1out`` a FIFO of the hashes of blocks evicted from ``A1in`` (a ghost, no data). A new block
 enters ``A1in``, unless its hash is in ``A1out``: then it enters ``Am``. A hit in ``A1in``
