@@ -685,8 +685,9 @@ class RefGDSF(_Reference):
 def _traffic(seed: int, policy: Policy, steps: int = 400) -> list:
     """Random traffic through a 14-block manager (2-token blocks): up to 3 running sequences,
     prompts drawn from a few shared prefixes and a small alphabet (so chains branch and
-    blocks are hit, evicted and recomputed), decode appends, explicit evictions. Returns the
-    hash of every evicted block, in order."""
+    blocks are hit, evicted and recomputed), decode appends, pins (withheld candidates, and
+    pinned blocks evicted last), explicit evictions. Returns the hash of every evicted block,
+    in order."""
     rng = random.Random(seed)
     clock = ManualClock()
     m = KVCacheManager(BlockPool(14, 2), policy, clock=clock)
@@ -706,11 +707,17 @@ def _traffic(seed: int, policy: Policy, steps: int = 400) -> list:
                 pass
         elif op < 0.8 and running:
             m.finish(running.pop(rng.randrange(len(running))))
-        elif op < 0.9 and running:
+        elif op < 0.88 and running:
             try:
                 m.append(rng.choice(running), [rng.randrange(4) for _ in range(2)])
             except OutOfBlocks:
                 pass
+        elif op < 0.92:
+            prefix = rng.choice(prefixes[1:])
+            if rng.random() < 0.5:
+                m.pin(prefix, until=rng.choice((None, clock.now + 2.0)))
+            else:
+                m.unpin(prefix)
         else:
             m.evict(rng.randrange(1, 3))
     m.check()
@@ -736,6 +743,16 @@ def test_the_same_victims_as_the_slow_reference(fast, slow):
         assert len(reference) > 30, seed  # the traffic does evict
         assert ours == reference, f"seed {seed}: first difference at eviction " \
             f"{next(i for i, (a, b) in enumerate(zip(ours, reference)) if a != b)}"
+
+
+@pytest.mark.parametrize("cls", [S3FIFO, ARC, SLRU, TwoQ, GDSF])
+def test_victim_then_on_evict_evicts_as_pop_victim_does(cls):
+    """A subclass that redefines `victim` is asked through `victim` and `on_evict` (the
+    manager skips `pop_victim` then): the same traffic evicts the same blocks."""
+    peeking = type(f"Peeking{cls.__name__}", (cls,),
+                   {"victim": lambda self, now: cls.victim(self, now)})
+    for seed in range(6):
+        assert _traffic(seed, peeking()) == _traffic(seed, cls()), seed
 
 
 # -- golden hit ratios on the bundled Mooncake trace -----------------------------------------------
