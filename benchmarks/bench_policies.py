@@ -1,4 +1,5 @@
-"""Per-eviction cost of the market and bayes policies versus LRU, at 10k and 1M candidates.
+"""Per-eviction cost of the market, bayes, dbms and classic policies versus LRU, at 10k and 1M
+candidates.
 
 Each policy drives a `KVCacheManager` over a metadata-only `BlockPool` (no layout, no tensor)
 that holds ``N`` eviction candidates: ``N`` finished one-block requests (hash mode, so every
@@ -20,7 +21,7 @@ memory stops fitting the CPU caches, so even LRU's O(log n) heap grows a few tim
 As a script (the table: us per eviction, ratio to LRU at each N, growth from the smallest to
 the largest N, and the fill time)::
 
-    python benchmarks/bench_policies.py [--sizes 10000,1000000] [--policies lru,market,bayes]
+    python benchmarks/bench_policies.py [--sizes 10000,1000000] [--policies lru,market,s3fifo]
 
 As pytest-benchmark tests (group ``eviction-cost``; one round = ``evictions`` evictions)::
 
@@ -51,8 +52,10 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from kvevict import BlockPool, KVCacheManager, ManualClock, Request
 
 GROUP = "eviction-cost"
+#: The classic baselines (`kvevict.policies.classic`), timed like the others.
+CLASSIC = ("s3fifo", "arc", "slru", "2q", "gdsf")
 #: Policies timed by default; ``lru`` is the baseline of the ratios.
-POLICIES = ("lru", "market", "bayes", "dbms")
+POLICIES = ("lru", "market", "bayes", "dbms", *CLASSIC)
 BASELINE = "lru"
 CLASSES = ("chat", "agent", "rag", "single_shot", "batch")
 KINDS = ("prompt", "context", "output")
@@ -190,9 +193,9 @@ def time_policies(policies: Sequence[str], sizes: Sequence[int], evictions: int 
 def test_eviction_cost_is_sublinear() -> None:
     """25x the candidates costs each eviction far less than 25x (O(log n), not O(n))."""
     small, large = 2_000, 50_000
-    result = time_policies(("lru", "market", "bayes", "dbms"), (small, large),
-                           evictions=1_000, rounds=3)
-    for policy in ("lru", "market", "bayes", "dbms"):
+    policies = ("lru", "market", "bayes", "dbms", *CLASSIC)
+    result = time_policies(policies, (small, large), evictions=1_000, rounds=3)
+    for policy in policies:
         a, b = result[policy, small][0], result[policy, large][0]
         growth = b / a
         print(f"\n{policy}: {a * 1e6:.2f} us -> {b * 1e6:.2f} us per eviction for "
