@@ -55,7 +55,7 @@ GROUP = "eviction-cost"
 #: The classic baselines (`kvevict.policies.classic`), timed like the others.
 CLASSIC = ("s3fifo", "arc", "slru", "2q", "gdsf")
 #: Policies timed by default; ``lru`` is the baseline of the ratios.
-POLICIES = ("lru", "market", "bayes", "dbms", *CLASSIC)
+POLICIES = ("lru", "market", "bayes", "dbms", *CLASSIC, "learned")
 BASELINE = "lru"
 CLASSES = ("chat", "agent", "rag", "single_shot", "batch")
 KINDS = ("prompt", "context", "output")
@@ -193,7 +193,7 @@ def time_policies(policies: Sequence[str], sizes: Sequence[int], evictions: int 
 def test_eviction_cost_is_sublinear() -> None:
     """25x the candidates costs each eviction far less than 25x (O(log n), not O(n))."""
     small, large = 2_000, 50_000
-    policies = ("lru", "market", "bayes", "dbms", *CLASSIC)
+    policies = ("lru", "market", "bayes", "dbms", *CLASSIC, "learned")
     result = time_policies(policies, (small, large), evictions=1_000, rounds=3)
     for policy in policies:
         a, b = result[policy, small][0], result[policy, large][0]

@@ -8,9 +8,9 @@ prompt block looked up, hit or miss) goes through:
   far less than kvevict: no prefix stop (it counts hits after a miss), no prefix tree, no
   leaves-only eviction, no reference counts, no partial blocks, no policy, no statistics;
 - ``replay-<policy>``: `kvevict.replay.replay` (the plain block-level replay through
-  `KVCacheManager`: begin + finish per request, one at a time), for lru, market, bayes and
-  the classic baselines (s3fifo, arc, slru, 2q, gdsf); every one but lru is also reported as a
-  ratio to ``replay-lru`` (target: at most 2x, issues 11 and 13);
+  `KVCacheManager`: begin + finish per request, one at a time), for lru, market, bayes,
+  the classic baselines (s3fifo, arc, slru, 2q, gdsf) and learned; every one but lru is also
+  reported as a ratio to ``replay-lru`` (target: at most 2x, issues 11 and 13);
 - ``sim-<policy>``: `kvevict.sim.simulate` with ``timing=False``, the simulator's path
   (scheduler, zero-cost executor, per-request records, infinite-cache hits), which gives the
   same hits as the replay.
@@ -79,6 +79,8 @@ GROUP = "sim-throughput"
 POLICY_TARGET = 2.0  # replay-<policy> at most this many times replay-lru
 #: The classic baselines (`kvevict.policies.classic`), each a replay row.
 CLASSIC = ("s3fifo", "arc", "slru", "2q", "gdsf")
+#: Issue 13's policies, each a replay row with its ratio to replay-lru: the classics, learned.
+NEW_POLICIES = (*CLASSIC, "learned")
 BLOCK_SIZE = 16
 BENCH_SCALE = float(os.environ.get("KVEVICT_BENCH_SIM_SCALE", "8"))
 BENCH_CAPACITY = int(os.environ.get("KVEVICT_BENCH_SIM_CAPACITY", "20000"))
@@ -186,7 +188,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Stream, int], Run]] = {
     "replay-lru": lambda s, c: run_replay(s, "lru", c),
     "replay-market": lambda s, c: run_replay(s, "market", c),
     "replay-bayes": lambda s, c: run_replay(s, "bayes", c),
-    **{f"replay-{p}": (lambda s, c, p=p: run_replay(s, p, c)) for p in CLASSIC},
+    **{f"replay-{p}": (lambda s, c, p=p: run_replay(s, p, c)) for p in NEW_POLICIES},
     "sim-lru": lambda s, c: run_sim(s, "lru", c),
     "sim-market": lambda s, c: run_sim(s, "market", c),
 }
@@ -264,7 +266,7 @@ def test_replay_bayes(benchmark) -> None:
 
 
 @pytest.mark.benchmark(group=GROUP)
-@pytest.mark.parametrize("policy", CLASSIC)
+@pytest.mark.parametrize("policy", NEW_POLICIES)
 def test_replay_classic(benchmark, policy: str) -> None:
     _bench(benchmark, f"replay-{policy}")
 
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         if name != BASELINE:
             ratio = best[name] / base
             print(f"{name} / bare-lru = {ratio:.2f}x")
-    for name in ("replay-market", "replay-bayes", *(f"replay-{p}" for p in CLASSIC)):
+    for name in ("replay-market", "replay-bayes", *(f"replay-{p}" for p in NEW_POLICIES)):
         ratio = best[name] / best["replay-lru"]
         print(f"{name} / replay-lru = {ratio:.2f}x (per-request replay cost; target <= "
               f"{POLICY_TARGET:g}x): {'OK' if ratio <= POLICY_TARGET else 'ABOVE TARGET'}")

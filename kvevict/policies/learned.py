@@ -397,8 +397,7 @@ class LearnedReuse(Policy):
         self._since_rebuild += 1
 
     def _top(self, now: float) -> tuple[float, int, int] | None:
-        if self._since_rebuild >= len(self._blocks) or (
-                self._evicted == 1 and self._since_rebuild):
+        if self._since_rebuild >= len(self._blocks):
             self._rebuild(now)
         else:
             self._price_pending()
