@@ -13,8 +13,9 @@ Three parts, each learned online from what the cache observes and nothing else:
   else (no hit, a hit that ends in a widely shared prefix or inside someone's prompt) starts a
   new conversation. It sees only what the cache holds: a conversation whose private blocks
   were evicted, or whose turn cached no block of its own, starts again at turn 1.
-- **The reuse table** (`ReuseTable`). Each block a request held opens a *trial* when the
-  request finishes, filed under the block's feature cell (below). The trial succeeds when the
+- **The reuse table** (`ReuseTable`). The blocks a request held open *trials* when the
+  request finishes (one block use in ``TRIAL_EVERY`` = 4, in order: a sample, as LRB trains
+  on), each filed under the block's feature cell (below). The trial succeeds when the
   same content is used again within ``H`` seconds (a hit, or a miss that caches the same
   block hash again: a reuse the cache did not serve still counts, so eviction does not censor
   the label), and fails once ``H`` seconds pass without one. Per cell, the estimate is the
@@ -37,18 +38,18 @@ behind S3-FIFO, Yang et al., SOSP'23), the log2 bucket of that request's output 
 response), the inferred turn (1, 2, 3+), the workload class, and the log2 bucket of the
 block's depth.
 
-**Price.** ``p(cell) * H / (H + idle) * cost / bytes``: the learned odds, discounted by the
-idle time (a block idle for ``H`` is worth half a fresh one of the same cell), times the
-block's recompute seconds per byte (`kvevict.policies.market.price.CostBuckets`, as the
-market prices it). The lowest price goes first; ties go to the least recently used.
+**Price.** ``p(cell) * exp(-idle / H) * cost / bytes``: the learned odds, discounted by the
+idle time in units of the horizon, times the block's recompute seconds per byte
+(`kvevict.policies.market.price.CostBuckets`, as the market prices it). The lowest price goes
+first; ties go to the least recently used. No gap distribution is assumed for the odds (they
+are counted, not fitted); the discount only orders blocks of one cell by recency.
 
-**Index.** A candidate is priced once, when it becomes one (or, for the blocks a request
-releases, when its ``on_finish`` gives their features), into a heap keyed by
-``log(p * cost / bytes) - log(H + now - last_access)``, written so that it does not change with
-``now``: ``log(p * cost / bytes) + (last_access - t0) / H`` with the discount taken as
-``exp(-idle / H)`` between repricings (the two agree to first order). The heap is rebuilt with
-the current estimates and ``H`` once as many evictions as there are candidates have happened
-since the last rebuild (amortized O(log n) per eviction): prices are at most that stale.
+**Index.** In log form the price is ``log p + log(cost / bytes) + (last_access - t0) / H`` up
+to a term shared by every candidate, so it does not change with ``now``: a candidate is priced
+once, when it becomes one (or, for the blocks a request releases, when its ``on_finish``
+gives their features), into a heap. The heap is rebuilt with the current estimates and ``H``
+after two evictions per candidate since the last rebuild (amortized O(log n) per eviction):
+prices are at most that stale.
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ __all__ = ["ConversationTracker", "LearnedReuse", "ReuseTable"]
 INITIAL_HORIZON_S = 60.0
 #: Weight of one eviction in the moving mean of evicted idle times (about 100 evictions).
 HORIZON_WEIGHT = 0.01
+#: One block use in this many opens a trial (the learning signal, sampled: LRB, NSDI'20,
+#: trains on a sample of requests too).
+TRIAL_EVERY = 4
+#: Every candidate is repriced after this many evictions per candidate (amortized: half a
+#: repricing per eviction).
+REPRICE_EVERY = 2
 
 
 class ConversationTracker:
@@ -160,14 +167,23 @@ class ReuseTable:
         self.total_fail = 1.0
         #: block hash -> (release time, cell) of its open trial
         self.trials: dict[Any, tuple[float, Any]] = {}
-        self._order: deque[tuple[float, Any]] = deque()  # (release time, hash), oldest first
+        #: (release time, the hashes released then), oldest first: one entry per release
+        self._order: deque[tuple[float, list[Any]]] = deque()
         #: observations so far (a version: estimates change only when it moves)
         self.observations = 0
 
     def open(self, block_hash: Any, cell: Any, now: float) -> None:
         """A use of ``block_hash`` ended at ``now``; its block was in ``cell``."""
-        self.trials[block_hash] = (now, cell)
-        self._order.append((now, block_hash))
+        self.open_all([(block_hash, cell)], now)
+
+    def open_all(self, trials: Sequence[tuple[Any, Any]], now: float) -> None:
+        """`open` for each ``(block hash, cell)`` of one release at ``now``."""
+        table = self.trials
+        hashes = []
+        for block_hash, cell in trials:
+            table[block_hash] = (now, cell)
+            hashes.append(block_hash)
+        self._order.append((now, hashes))
 
     def reuse(self, block_hash: Any, now: float, horizon: float) -> None:
         """``block_hash`` is used again at ``now`` (a hit, or a miss that caches it again)."""
@@ -180,35 +196,42 @@ class ReuseTable:
         order, trials = self._order, self.trials
         limit = now - horizon
         while order and order[0][0] < limit:
-            t0, h = order.popleft()
-            trial = trials.get(h)
-            if trial is not None and trial[0] == t0:
-                del trials[h]
-                self._observe(trial[1], False)
+            t0, hashes = order.popleft()
+            for h in hashes:
+                trial = trials.get(h)
+                if trial is not None and trial[0] == t0:
+                    del trials[h]
+                    self._observe(trial[1], False)
 
     def _observe(self, cell: Any, success: bool) -> None:
+        # each cell's counts decay by gamma per observation of that cell (a memory of about
+        # `memory` of its own trials, as the market's per-class counts); the pooled totals
+        # decay per observation of any cell
         g = self.gamma
         s = self.succ.get(cell, 0.0) * g
         f = self.fail.get(cell, 0.0) * g
-        self.total_succ *= g
-        self.total_fail *= g
         if success:
-            s += 1.0
-            self.total_succ += 1.0
+            self.succ[cell] = s + 1.0
+            self.fail[cell] = f
+            self.total_succ = self.total_succ * g + 1.0
+            self.total_fail *= g
         else:
-            f += 1.0
-            self.total_fail += 1.0
-        self.succ[cell] = s
-        self.fail[cell] = f
+            self.succ[cell] = s
+            self.fail[cell] = f + 1.0
+            self.total_fail = self.total_fail * g + 1.0
+            self.total_succ *= g
         self.observations += 1
+
+    def counts(self, cell: Any) -> tuple[float, float]:
+        """The decayed (successes, failures) of ``cell``."""
+        return self.succ.get(cell, 0.0), self.fail.get(cell, 0.0)
 
     def p(self, cell: Any) -> float:
         """P(reuse within the horizon) of a block in ``cell``."""
         ts, tf = self.total_succ, self.total_fail
         w = self.prior_weight
         s = self.succ.get(cell, 0.0)
-        f = self.fail.get(cell, 0.0)
-        return (w * ts / (ts + tf) + s) / (w + s + f)
+        return (w * ts / (ts + tf) + s) / (w + s + self.fail.get(cell, 0.0))
 
 
 @register_policy("learned")
@@ -252,8 +275,8 @@ class LearnedReuse(Policy):
         #: the horizon H (seconds): moving mean of evicted idle times
         self.horizon = INITIAL_HORIZON_S
         self._evicted = 0  # evictions so far
-        #: block id -> [output-length bucket, turn]: what its last request said of it
-        self._state: dict[int, list[int]] = {}
+        #: block id -> its feature cell, filed when the request that used it last finished
+        self._state: dict[int, tuple[Any, ...]] = {}
         #: request id -> (conversation key, turn), from begin to finish
         self._running: dict[Any, tuple[Any, int]] = {}
         self._heap: list[tuple[float, int, int]] = []  # (key, tick, block id)
@@ -263,6 +286,9 @@ class LearnedReuse(Policy):
         self._key_horizon = INITIAL_HORIZON_S  # H the heap's keys use
         self._since_rebuild = 0  # evictions since the heap was last rebuilt
         self._blocks: dict[int, BlockInfo] = {}  # every candidate, priced or not
+        self._sampled = 0  # block uses since the last one that opened a trial
+        self._log_cost: dict[int, float] = {}  # depth -> log cost per byte, at _nbytes
+        self._nbytes = -1
 
     def bind(self, block_size: int) -> None:
         super().bind(block_size)
@@ -272,28 +298,55 @@ class LearnedReuse(Policy):
     # -- features and price ----------------------------------------------------------------
 
     def cell(self, block: BlockInfo) -> tuple[Any, ...]:
-        """The feature cell of ``block`` (hit count, output bucket, turn, class, depth)."""
-        state = self._state.get(block.block_id)
-        out_bucket, turn = (state[0], state[1]) if state is not None else (0, 1)
+        """The feature cell of ``block`` (hit count, output bucket, turn, class, depth):
+        as filed when the request that used it last finished, else from its record alone
+        (no output, turn 1)."""
+        cell = self._state.get(block.block_id)
+        return cell if cell is not None else self._cell(block, 0, 1)
+
+    @staticmethod
+    def _cell(block: BlockInfo, out_bucket: int, turn: int) -> tuple[Any, ...]:
         hits = block.hit_count
+        depth = block.depth
         return (hits if hits < 2 else 2, out_bucket, turn if turn < 3 else 3,
-                block.workload_class, min(block.depth.bit_length(), 7))
+                block.workload_class, depth.bit_length() if depth < 64 else 7)
 
     def price(self, block: BlockInfo, now: float) -> float:
-        """The block's price at ``now``: ``p(cell) * H / (H + idle) * cost / bytes``."""
+        """The block's price at ``now``: ``p(cell) * exp(-idle / H) * cost / bytes``."""
         costs = self.costs
         if costs is None:
             raise ConfigError("the policy is not bound to a manager yet")
         log_cpb = costs.of(block)[0]
         h = self.horizon
-        return self.table.p(self.cell(block)) * h / (h + max(now - block.last_access, 0.0)) \
-            * math.exp(log_cpb)
+        return self.table.p(self.cell(block)) * math.exp(
+            log_cpb - max(now - block.last_access, 0.0) / h)
 
     def _key(self, block: BlockInfo) -> tuple[float, int, int]:
-        log_cpb = self.costs.of(block)[0]  # type: ignore[union-attr]
-        p = self.table.p(self.cell(block))
-        return (math.log(p) + log_cpb + (block.last_access - self._t0) / self._key_horizon,
-                block.last_access_tick, block.block_id)
+        """The heap entry of ``block``: (log price up to a shared term, tick, block id)."""
+        block_id = block.block_id
+        cell = self._state.get(block_id)
+        if cell is None:
+            cell = self._cell(block, 0, 1)
+        log_cost = self._log_cost.get(block.depth)
+        if log_cost is None or block.nbytes != self._nbytes:
+            log_cost = self._cost_of(block)
+        table = self.table
+        ts, tf = table.total_succ, table.total_fail
+        w = table.prior_weight
+        s = table.succ.get(cell, 0.0)
+        p = (w * ts / (ts + tf) + s) / (w + s + table.fail.get(cell, 0.0))
+        return (math.log(p) + log_cost + (block.last_access - self._t0) / self._key_horizon,
+                block.last_access_tick, block_id)
+
+    def _cost_of(self, block: BlockInfo) -> float:
+        """log(recompute seconds / bytes) of ``block`` (quantized), cached by depth for the
+        pool's block size in bytes."""
+        log_cost = self.costs.of(block)[0]  # type: ignore[union-attr]
+        if self._nbytes != block.nbytes:
+            self._log_cost.clear()
+            self._nbytes = block.nbytes
+        self._log_cost[block.depth] = log_cost
+        return log_cost
 
     def _push(self, block: BlockInfo) -> None:
         key = self._key(block)
@@ -336,8 +389,6 @@ class LearnedReuse(Policy):
     def on_insert(self, block: BlockInfo, now: float) -> None:
         # a miss that caches content used before: a reuse the cache did not serve
         self.table.reuse(block.block_hash, now, self.horizon)
-        self._state.pop(block.block_id, None)
-        self.conversations.forget(block.block_id)
 
     def on_begin(self, request: Request, hits: Sequence[BlockInfo],
                  new: Sequence[BlockInfo], now: float) -> None:
@@ -357,11 +408,19 @@ class LearnedReuse(Policy):
         state = self._state
         table = self.table
         table.expire(now, self.horizon)
-        cell = self.cell
+        make = self._cell
         pending = self._pending
+        trials = []
+        k, every = self._sampled, TRIAL_EVERY
         for block in blocks:
-            state[block.block_id] = [bucket, turn]
-            table.open(block.block_hash, cell(block), now)
+            cell = state[block.block_id] = make(block, bucket, turn)
+            k += 1
+            if k >= every:  # one block use in TRIAL_EVERY is a trial (LRB samples too)
+                k = 0
+                trials.append((block.block_hash, cell))
+        self._sampled = k
+        if trials:
+            table.open_all(trials, now)
         # the request's released candidates are priced now that their features are known
         for block in blocks:
             if pending.pop(block.block_id, None) is not None:
@@ -397,10 +456,14 @@ class LearnedReuse(Policy):
         self._since_rebuild += 1
 
     def _top(self, now: float) -> tuple[float, int, int] | None:
-        if self._since_rebuild >= len(self._blocks):
+        if self._since_rebuild >= REPRICE_EVERY * len(self._blocks):
             self._rebuild(now)
-        else:
-            self._price_pending()
+        elif self._pending:  # `_price_pending`, inlined on this hot path
+            key, keys, heap = self._key, self._keys, self._heap
+            for block in self._pending.values():
+                k = keys[block.block_id] = key(block)
+                heapq.heappush(heap, k)
+            self._pending.clear()
         heap, keys = self._heap, self._keys
         while heap:
             top = heap[0]
@@ -422,8 +485,16 @@ class LearnedReuse(Policy):
         del self._keys[block_id]
         block = self._blocks.pop(block_id)
         self._state.pop(block_id, None)
-        self.conversations.forget(block_id)
-        self._learn_horizon(block, now)
+        self.conversations.owner.pop(block_id, None)
+        # the horizon's moving mean (`_learn_horizon`, inlined on this hot path)
+        idle = now - block.last_access
+        if self._evicted:
+            h = self.horizon + HORIZON_WEIGHT * (idle - self.horizon)
+            self.horizon = h if h > 1e-6 else 1e-6
+        else:
+            self.horizon = idle if idle > 1e-6 else 1e-6
+        self._evicted += 1
+        self._since_rebuild += 1
         return block_id
 
     def __repr__(self) -> str:
