@@ -500,6 +500,48 @@ class _HashSet:
         if 8 * self.size > self.bound:
             self._grow()
 
+    def prefix(self, ids: SequenceABC[Any], limit: int) -> int:
+        """How many of the first ``limit`` of ``ids`` are members, counting from the first
+        and stopping at the first that is not."""
+        bits = self.PAGE_BITS
+        mask = (1 << bits) - 1
+        pages, bound = self.pages, self.bound
+        n = 0
+        while n < limit:
+            h = ids[n]
+            if type(h) is int and 0 <= h < bound:
+                page = pages[h >> bits]
+                if page is None:
+                    break
+                slot = h & mask
+                if not page[slot >> 3] >> (slot & 7) & 1:
+                    break
+            elif h not in self:
+                break
+            n += 1
+        return n
+
+    def update(self, ids: Iterable[Any]) -> None:
+        """Add every one of ``ids``."""
+        bits = self.PAGE_BITS
+        mask = (1 << bits) - 1
+        for h in ids:
+            if type(h) is int and 0 <= h < self.bound:
+                pages = self.pages
+                page = pages[h >> bits]
+                if page is None:
+                    page = pages[h >> bits] = bytearray(1 << (bits - 3))
+                slot = h & mask
+                bit = 1 << (slot & 7)
+                if page[slot >> 3] & bit:
+                    continue
+                page[slot >> 3] |= bit
+                self.size += 1
+                if 8 * self.size > self.bound:
+                    self._grow()
+            else:
+                self.add(h)
+
     def _grow(self) -> None:
         while 8 * self.size > self.bound:
             self.bound *= 2
@@ -548,12 +590,8 @@ class InfiniteCache:
             prompt = len(cached)
         else:  # the first full blocks of prompt + output are the prompt's own
             prompt = request.prompt_len // bs
-        seen = self.seen
-        n = 0
-        while n < prompt and cached[n] in seen:
-            n += 1
-        for h in cached:
-            seen.add(h)
+        n = self.seen.prefix(cached, prompt)
+        self.seen.update(cached)
         return n, prompt
 
     def hit_tokens(self, request: Request) -> int:
