@@ -310,12 +310,21 @@ class RunColumns:
             out.add(r)
         return out
 
+    def _order(self) -> np.ndarray:
+        """The permutation that puts the requests in arrival order (stable)."""
+        return np.argsort(np.frombuffer(self.arrival, dtype=np.float64), kind="stable")
+
+    def in_arrival_order(self, name: str) -> np.ndarray:
+        """The `TIME_COLUMNS` column ``name`` (or ``"arrival"``), in arrival order."""
+        column = self.arrival if name == "arrival" else self.times[name]
+        return np.frombuffer(column, dtype=np.float64)[self._order()]
+
     def summarize(self) -> tuple[dict[str, int], dict[str, float], dict[str, dict[str, Any]]]:
         """``(totals, times, classes)``: ``totals`` the request count (``"requests"``) and
         each of `COUNTERS` summed over every request; ``times`` as `SimResult.summary` gives
         them (``ttft_p95``...); ``classes`` the summary of each workload class (sorted by
         name): requests, hit ratios (first admissions), preemptions, deferrals and times."""
-        order = np.argsort(np.frombuffer(self.arrival, dtype=np.float64), kind="stable")
+        order = self._order()
         columns = {name: np.frombuffer(col, dtype=np.float64)[order]
                    for name, col in self.times.items()}
         codes = np.frombuffer(self.class_code, dtype=np.uint32)[order]
@@ -376,6 +385,13 @@ class SimResult:
             return RunColumns.from_records(self.records)
         assert self.columns is not None
         return self.columns
+
+    def ttfts(self) -> np.ndarray:
+        """Every request's time to the first token, in arrival order (float64)."""
+        if self.records is not None:
+            return np.array([r.ttft for r in self.records], dtype=np.float64)
+        assert self.columns is not None
+        return self.columns.in_arrival_order("ttft")
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers (JSON-ready, rounded for stable output).

@@ -134,7 +134,8 @@ MODES = ("timed", "replay")
 @attrs.frozen(order=True)
 class Cell:
     """One simulation: ``policy`` at ``capacity_blocks`` on the requests of ``seed``;
-    ``records`` asks for the per-request records in the result. ``mode="replay"`` runs the
+    ``records`` asks for the per-request records in the result, ``ttfts`` for every
+    request's TTFT alone. ``mode="replay"`` runs the
     plain block-level replay instead (`kvevict.replay.replay`: one request at a time, no
     timing), where Belady is the exact furthest-next-use oracle; ``capacity_blocks=None``
     there is a pool that never evicts (the infinite cache of that replay)."""
@@ -144,6 +145,9 @@ class Cell:
     seed: int
     records: bool = False
     mode: str = attrs.field(default="timed")
+    #: return every request's TTFT (``"ttfts"``: `SimResult.ttfts`, 8 bytes a request), for
+    #: a TTFT CDF without the records
+    ttfts: bool = False
 
     @mode.validator
     def _check_mode(self, attribute: Any, value: Any) -> None:
@@ -169,8 +173,9 @@ def study_requests(study: Study, seed: int) -> list[Request] | TraceRequests:
 
 
 def run_cell(study: Study, cell: Cell) -> dict[str, Any]:
-    """Simulate ``cell``: its `SimResult.summary` with ``"seed"`` added, and with
-    ``"records"`` (one dict per request, in arrival order) when the cell asks for them. A
+    """Simulate ``cell``: its `SimResult.summary` with ``"seed"`` added, with ``"records"``
+    (one dict per request, in arrival order) when the cell asks for them, and ``"ttfts"``
+    (a float64 array, in arrival order) when it asks for those. A
     replay cell gives its policy, mode, seed, capacity, hit ratios, requests and evictions."""
     from kvevict.policies.registry import load_policy_modules
     from kvevict.sim import simulate
@@ -187,7 +192,9 @@ def run_cell(study: Study, cell: Cell) -> dict[str, Any]:
     out = result.summary()
     out["seed"] = cell.seed
     if cell.records:
-        out["records"] = [attrs.asdict(r) for r in result.records]
+        out["records"] = [attrs.asdict(r) for r in result.records]  # type: ignore[union-attr]
+    if cell.ttfts:
+        out["ttfts"] = result.ttfts()
     return out
 
 

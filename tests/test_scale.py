@@ -329,6 +329,20 @@ def test_a_streamed_simulation_equals_the_listed_one_on_a_generated_workload(pol
     streamed = simulate((r for r in ordered), policy, capacity_blocks=600, block_size=16)
     assert streamed.summary() == listed.summary()
     assert listed.summary()["preemptions"] + listed.summary()["evictions"] > 0
+    assert streamed.ttfts().tolist() == listed.ttfts().tolist() == [r.ttft for r in
+                                                                     listed.records]
+
+
+def test_a_cell_gives_the_ttfts_without_the_records():
+    from kvevict.layout import preset
+    from kvevict.study import Cell, Source, Study, run_cell
+
+    study = Study(Source(workload="mixed", duration=60), preset("llama-3-8b"), 16, CostModel())
+    both = run_cell(study, Cell("lru", 600, 2, records=True, ttfts=True))
+    alone = run_cell(study, Cell("lru", 600, 2, ttfts=True))
+    assert "records" not in alone and alone["ttfts"].dtype == np.float64
+    assert alone["ttfts"].tolist() == [r["ttft"] for r in both["records"]]
+    assert len(alone["ttfts"]) == alone["requests"] > 10
 
 
 def test_the_columns_summarize_as_the_records_do():

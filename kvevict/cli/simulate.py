@@ -339,7 +339,9 @@ def simulate_command(args: argparse.Namespace) -> int:
     if unstable_message:
         print(f"warning: {unstable_message}; no decision is made on latencies")
 
-    cells = [Cell(p, c, s, records=c == capacity)  # the TTFT CDF: every seed, with its band
+    # at the decided size: every request's TTFT for the CDF (every seed, with its band), and
+    # the full records only with --records (a dict per request: memory in proportion to it)
+    cells = [Cell(p, c, s, records=args.records and c == capacity, ttfts=c == capacity)
              for c in [capacity, *sweep_caps] for s in seeds for p in policies]
     cells += [Cell(p, c, s, mode="replay") for s in seeds
               for p, c in [(p, c) for c in [capacity, *sweep_caps] for p in ("lru", "belady")]
@@ -353,6 +355,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     timed = [r for r, c in zip(results, cells, strict=True) if c.mode == "timed"]
     replays = [r for r, c in zip(results, cells, strict=True) if c.mode == "replay"]
     records = {(r["policy"], r["seed"]): r.pop("records") for r in timed if "records" in r}
+    ttfts = {(r["policy"], r["seed"]): r.pop("ttfts") for r in timed if "ttfts" in r}
     main_cells = [r for r in timed if r["capacity_blocks"] == capacity]
     headroom = _headroom(replays, capacity)
 
@@ -424,8 +427,8 @@ def simulate_command(args: argparse.Namespace) -> int:
                                       f"{workload}: hit ratio vs cache size")
                 written.append("hit_ratio.png")
             report.plot_ttft_cdf(
-                {p: {s: [rec["ttft"] for rec in recs] for (q, s), recs in records.items()
-                     if q == p} for p in dict.fromkeys(p for p, _ in records)},
+                {p: {s: values for (q, s), values in ttfts.items() if q == p}
+                 for p in dict.fromkeys(p for p, _ in ttfts)},
                 out / "ttft_cdf.png", f"{workload}: TTFT at {capacity:,} blocks")
             written.append("ttft_cdf.png")
             lru_replays, exact = _headroom_plot(replays)
