@@ -223,12 +223,15 @@ def measure_simulate(trace: str, policies: str, checkout: str, out_dir: str) -> 
     """``kvevict simulate`` of ``trace`` (`SIMULATE_ARGS`, ``--policies policies``, results
     in ``out_dir``) in a subprocess running ``checkout``'s kvevict: wall and CPU seconds and
     peak RSS (``wait4``), the requests and LRU's token hit ratio from its results.json."""
+    trace, out_dir, checkout = (os.path.abspath(p) for p in (trace, out_dir, checkout))
     command = [sys.executable, "-m", "kvevict.cli", "simulate", "--trace", trace,
                "--policies", policies, *SIMULATE_ARGS, "--out", out_dir]
     env = dict(os.environ)
     env["PYTHONPATH"] = checkout
     start = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
+    # run in the checkout: ``-m`` puts the working directory first on sys.path, so a run
+    # from another checkout would import that one's kvevict
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env, cwd=checkout)
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status):
