@@ -29,12 +29,25 @@ grows with the trace: the Mooncake reader's prefix-chain check (`IdTable.link` o
 request's ids) and Belady's backward pass (`NextUseFile.next_uses` over the ids file, written
 with numpy here). Everything else a replay holds is the cache, measured flat by the full runs.
 
+``--simulate`` instead measures the timed simulation as a user runs it: ``kvevict simulate
+--trace <the repeated trace> --format mooncake --policies lru --gpu h100-sxm-80gb
+--target-load 0.3 --no-sweep --jobs 1`` in a fresh subprocess, at ``--requests / --ratio``
+and ``--requests`` requests, with the same peak RSS (``wait4``) and CPU seconds. A run holds
+the cache and the requests in flight; what grows with the trace is per request: 60 bytes of
+summary columns (`kvevict.run.RunColumns`), the Mooncake reader's prefix-chain table (8
+bytes per distinct block id, 11 ids per request here) and the infinite cache's bit per
+distinct id (`kvevict.run.InfiniteCache`). It prints the bytes per extra request. The load
+of 0.3 keeps the queue bounded (at 0.7 LRU's misses on this trace overload the H100, the
+queue and so the requests in flight grow with the trace: nothing a simulator can hold
+flat). ``--checkout DIR`` runs another checkout's kvevict (e.g. the one before streaming).
+
 Run from the repository root::
 
     python benchmarks/bench_scale.py --requests 1000000            # 100k and 1M
     python benchmarks/bench_scale.py --requests 10000000 --policies lru
     python benchmarks/bench_scale.py --requests 200000 --ratio 4 --capacity 5000
     python benchmarks/bench_scale.py --requests 10000000 --components
+    python benchmarks/bench_scale.py --simulate --requests 480000 --ratio 4
 
 ``pytest benchmarks/bench_scale.py`` runs one quick check (the repeated trace's shape and a
 small replay of it); the measurement itself is the script.
@@ -200,13 +213,82 @@ def measure(trace: str, policy: str, capacity: int, workdir: str | None,
     return result
 
 
+#: the ``kvevict simulate`` options of ``--simulate`` after the trace: one policy, the
+#: H100 profile, a stable load, the box's capacity only, one process
+SIMULATE_ARGS = ("--format", "mooncake", "--gpu", "h100-sxm-80gb", "--target-load", "0.3",
+                 "--no-sweep", "--jobs", "1", "--quiet")
+
+
+def measure_simulate(trace: str, policies: str, checkout: str, out_dir: str) -> dict:
+    """``kvevict simulate`` of ``trace`` (`SIMULATE_ARGS`, ``--policies policies``, results
+    in ``out_dir``) in a subprocess running ``checkout``'s kvevict: wall and CPU seconds and
+    peak RSS (``wait4``), the requests and LRU's token hit ratio from its results.json."""
+    trace, out_dir, checkout = (os.path.abspath(p) for p in (trace, out_dir, checkout))
+    command = [sys.executable, "-m", "kvevict.cli", "simulate", "--trace", trace,
+               "--policies", policies, *SIMULATE_ARGS, "--out", out_dir]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = checkout
+    start = time.perf_counter()
+    # run in the checkout: ``-m`` puts the working directory first on sys.path, so a run
+    # from another checkout would import that one's kvevict
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env, cwd=checkout)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status):
+        raise RuntimeError(f"{' '.join(command)} exited with "
+                           f"{os.waitstatus_to_exitcode(status)}")
+    with open(os.path.join(out_dir, "results.json"), encoding="utf-8") as fh:
+        results = json.load(fh)
+    lru = next(c for c in results["cells"] if c["policy"] == "lru")
+    return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime,
+            "peak_rss": usage.ru_maxrss * 1024, "requests": lru["requests"],
+            "token_hit_ratio": lru["token_hit_ratio"], "ttft_p95": lru["ttft_p95"],
+            "measured_load": results["load"]["measured_load"]}
+
+
+def simulate_main(requests: int, ratio: int, policies: str, checkout: str,
+                  workdir: str | None) -> int:
+    """``--simulate``: the two sizes of the repeated trace through ``kvevict simulate``; the
+    table, then the bytes per extra request and the CPU time ratio."""
+    root = tempfile.mkdtemp(prefix="kvevict-bench-scale-", dir=workdir)
+    try:
+        long_path = os.path.join(root, "long.jsonl")
+        short_path = os.path.join(root, "short.jsonl")
+        shape = write_repeated_trace(long_path, requests)
+        copy_head(long_path, short_path, requests // ratio)
+        print(f"trace: {shape['requests']:,} requests, {shape['accesses']:,} block accesses; "
+              f"kvevict simulate {' '.join(SIMULATE_ARGS)} --policies {policies} "
+              f"(kvevict from {checkout})", flush=True)
+        print("| requests | wall s | CPU s | requests/s (CPU) | peak RSS | LRU token hit | "
+              "LRU TTFT p95 s | measured load |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+        pair = []
+        for i, path in enumerate((short_path, long_path)):
+            r = measure_simulate(path, policies, checkout, os.path.join(root, f"out{i}"))
+            pair.append(r)
+            print(f"| {r['requests']:,} | {r['seconds']:.0f} | {r['cpu_seconds']:.0f} | "
+                  f"{r['requests'] / r['cpu_seconds']:,.0f} | {r['peak_rss'] / 1e6:,.0f} MB | "
+                  f"{r['token_hit_ratio']:.4f} | {r['ttft_p95']:.3f} | "
+                  f"{r['measured_load']:.3f} |", flush=True)
+        a, b = pair
+        per_request = (b["peak_rss"] - a["peak_rss"]) / (b["requests"] - a["requests"])
+        linear = (b["cpu_seconds"] / a["cpu_seconds"]) / (b["requests"] / a["requests"])
+        print(f"\npeak RSS grows {per_request:,.0f} bytes per extra request; CPU time ratio / "
+              f"request ratio = {linear:.2f} (1.00: linear)")
+        return 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1_000_000,
                         help="requests of the long run (default %(default)s)")
     parser.add_argument("--ratio", type=int, default=10,
                         help="the short run has --requests / RATIO requests (default 10)")
-    parser.add_argument("--policies", default="lru,belady")
+    parser.add_argument("--policies", default=None,
+                        help="comma-separated policies (default: lru,belady for the replay, "
+                             "lru for --simulate)")
     parser.add_argument("--capacity", type=int, default=DEFAULT_CAPACITY,
                         help="pool size in 512-token blocks (default %(default)s)")
     parser.add_argument("--workdir", default=None,
@@ -216,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: time and size, at --requests, the two parts of the "
                              "replay whose memory grows with the trace (the reader's chain "
                              "check, Belady's backward pass), without the per-request work")
+    parser.add_argument("--simulate", action="store_true",
+                        help="instead: kvevict simulate (the timed simulation) of the "
+                             "repeated trace at the two sizes, peak RSS and CPU time")
+    parser.add_argument("--checkout", default=str(Path(__file__).resolve().parents[1]),
+                        help="with --simulate: the checkout whose kvevict runs (default: "
+                             "this one)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--component", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--policy", default=None, help=argparse.SUPPRESS)
@@ -226,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.component:
         component(args.component, args.requests, args.workdir)
         return 0
+    if args.simulate:
+        if args.requests < args.ratio or args.ratio < 2:
+            parser.error("--requests must be at least --ratio, and --ratio at least 2")
+        return simulate_main(args.requests, args.ratio, args.policies or "lru", args.checkout,
+                             args.workdir)
     if args.components:
         root = tempfile.mkdtemp(prefix="kvevict-bench-scale-", dir=args.workdir)
         try:
@@ -261,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
               "block hit ratio |")
         print("|---|---:|---:|---:|---:|---:|---:|", flush=True)
         rows = []
-        for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
+        policies = args.policies or "lru,belady"
+        for policy in [p.strip() for p in policies.split(",") if p.strip()]:
             pair = []
             for path in (short_path, long_path):
                 r = measure(path, policy, args.capacity, root)

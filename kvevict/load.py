@@ -9,7 +9,7 @@ work with the box's `CostModel` and divides by the time the trace spans::
 over the spacing). A request's work is
 
 - **prefill**: ``cost.prefill_seconds(new, cached)`` for the prompt tokens that an infinite
-  cache would not hit (`kvevict.run.infinite_cache_hits`, at least one token: a fully
+  cache would not hit (`kvevict.run.InfiniteCache`, at least one token: a fully
   cached prompt still computes the last token's logits, as `kvevict.run.CostModelExecutor`
   charges it), or the whole prompt with ``whole_prompt=True``. No finite cache hits more,
   so this is the least prefill any policy can leave.
@@ -42,24 +42,29 @@ and the latencies a run measures are not steady state (`is_stable`, `instability
 `rate_scaled` stretches or compresses arrivals; `scale_for_load` finds the scale that gives
 a target ``rho``. The work of a request does not depend on when it arrives, so ``rho`` is
 proportional to the scale and the solution is closed-form.
+
+**Streaming.** `offered_load` (and so `scale_for_load`) reads its requests once, one at a
+time: a list, or a stream in arrival order such as a `kvevict.workloads.TraceFile`; it holds
+running sums and the infinite cache's seen blocks, not the trace. `iter_rate_scaled` scales
+a stream as `rate_scaled` scales a list.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import attrs
 
 from kvevict.cost import CostModel
 from kvevict.errors import ConfigError
-from kvevict.run import infinite_cache_hits
+from kvevict.run import InfiniteCache, in_arrival_order
 from kvevict.types import Request
 
-__all__ = ["OfferedLoad", "instability_message", "is_stable", "offered_load", "rate_scaled",
-           "scale_for_load"]
+__all__ = ["OfferedLoad", "instability_message", "is_stable", "iter_rate_scaled",
+           "offered_load", "rate_scaled", "scale_for_load"]
 
 
 @attrs.frozen
@@ -147,6 +152,12 @@ def _check_requests(requests: Any) -> list[Request]:
     return out
 
 
+def _check_iterable(requests: Any) -> None:
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
+        raise ConfigError(f"requests must be an iterable of Request, got "
+                          f"{type(requests).__name__}")
+
+
 def _check_factor(what: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
             math.isfinite(value) and value > 0):
@@ -154,13 +165,17 @@ def _check_factor(what: str, value: Any) -> float:
     return float(value)
 
 
-def offered_load(requests: Sequence[Request], cost: CostModel, block_size: int, *,
-                 hit_tokens: Sequence[int] | None = None, whole_prompt: bool = False,
+def offered_load(requests: Iterable[Request], cost: CostModel, block_size: int, *,
+                 hit_tokens: Iterable[int] | None = None, whole_prompt: bool = False,
                  max_batch: int = 64) -> OfferedLoad:
     """The offered load of ``requests`` on the box ``cost`` describes (module docstring).
 
+    ``requests`` is a list (any order: sorted by arrival here) or any other iterable in
+    arrival order, read once, one request at a time (a trace file's reader: the pass holds
+    the infinite cache's seen blocks, `kvevict.run.InfiniteCache`, not the trace; an arrival
+    earlier than the one before it is a `ConfigError` naming both requests).
     ``hit_tokens`` gives each request's cached prompt tokens (in arrival order) instead of
-    an infinite cache's (`kvevict.run.infinite_cache_hits` with ``block_size``);
+    an infinite cache's (`kvevict.run.InfiniteCache` with ``block_size``);
     ``whole_prompt=True`` counts every prompt token as prefill work. ``max_batch`` is the
     scheduler's ``max_num_seqs`` (kvevict's default 64).
 
@@ -168,7 +183,12 @@ def offered_load(requests: Sequence[Request], cost: CostModel, block_size: int, 
         ConfigError: fewer than two requests, or all arriving at once (no rate), or bad
             arguments.
     """
-    reqs = sorted(_check_requests(requests), key=lambda r: r.arrival)
+    listed = isinstance(requests, Sequence) and not isinstance(requests, (str, bytes))
+    if listed:
+        reqs: Iterable[Request] = sorted(_check_requests(requests), key=lambda r: r.arrival)
+    else:
+        _check_iterable(requests)
+        reqs = requests
     if not isinstance(cost, CostModel):
         raise ConfigError(f"cost must be a CostModel, got {type(cost).__name__}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -180,29 +200,36 @@ def offered_load(requests: Sequence[Request], cost: CostModel, block_size: int, 
         raise ConfigError(f"whole_prompt must be True or False, got {whole_prompt!r}")
     if whole_prompt and hit_tokens is not None:
         raise ConfigError("give hit_tokens= or whole_prompt=True, not both")
-    if len(reqs) < 2:
-        raise ConfigError(f"an offered load needs at least 2 requests (an arrival rate), got "
-                          f"{len(reqs)}")
-    span = reqs[-1].arrival - reqs[0].arrival
-    if not span > 0:
-        raise ConfigError(f"all {len(reqs)} requests arrive at t={reqs[0].arrival}: no arrival "
-                          "rate, so no offered load (stretch the arrivals first)")
-    if whole_prompt:
-        hits = [0] * len(reqs)
-    elif hit_tokens is None:
-        hits = infinite_cache_hits(reqs, block_size)
-    else:
-        hits = list(hit_tokens)
-        if len(hits) != len(reqs):
-            raise ConfigError(f"hit_tokens has {len(hits)} entries for {len(reqs)} requests")
+    if listed:
+        _check_span(reqs)  # type: ignore[arg-type]
+        if hit_tokens is not None and isinstance(hit_tokens, Sized) and \
+                len(hit_tokens) != len(reqs):  # type: ignore[arg-type]
+            raise ConfigError(f"hit_tokens has {len(hit_tokens)} entries for "
+                              f"{len(reqs)} requests")  # type: ignore[arg-type]
+    cache = None if whole_prompt or hit_tokens is not None else InfiniteCache(block_size)
+    given = None if hit_tokens is None else iter(hit_tokens)
     prefill = decode = 0.0
     prefill_tokens = decode_tokens = 0
     decode_x = 0.0  # per-sequence decode seconds, without the shared step
-    for r, h in zip(reqs, hits, strict=True):
+    n = 0
+    first = last = 0.0
+    for r in in_arrival_order(reqs):
+        if cache is not None:
+            h: Any = cache.hit_tokens(r)
+        elif given is not None:
+            h = next(given, _END)
+            if h is _END:
+                raise ConfigError(f"hit_tokens has {n} entries for more requests")
+        else:
+            h = 0
         prompt = r.prompt_len
         if isinstance(h, bool) or not isinstance(h, numbers.Integral) or not 0 <= h <= prompt:
             raise ConfigError(f"request {r.request_id!r}: hit tokens must be an int in "
                               f"[0, {prompt}], got {h!r}")
+        if not n:
+            first = r.arrival
+        last = r.arrival
+        n += 1
         new = max(prompt - h, 1) if prompt else 0
         prefill += cost.prefill_seconds(new, prompt - new)
         prefill_tokens += new
@@ -212,7 +239,9 @@ def offered_load(requests: Sequence[Request], cost: CostModel, block_size: int, 
         decode_x += x
         decode += steps * cost.decode_step_s / max_batch + x
         decode_tokens += steps
-    n = len(reqs)
+    if given is not None and next(given, _END) is not _END:
+        raise ConfigError(f"hit_tokens has more entries than the {n} requests")
+    span = _check_span_of(n, first, last)
     rate = (n - 1) / span
     prefill_rate = rate * prefill / n
     decode_rate = rate * decode / n
@@ -230,11 +259,35 @@ def offered_load(requests: Sequence[Request], cost: CostModel, block_size: int, 
                        mean_running_batch=mean_batch)
 
 
+_END = object()  # the end of hit_tokens
+
+
+def _check_span(reqs: list[Request]) -> None:
+    """A listed trace's rate can be measured (the errors `_check_span_of` gives, before the
+    pass)."""
+    if reqs:
+        _check_span_of(len(reqs), reqs[0].arrival, reqs[-1].arrival)
+    else:
+        _check_span_of(0, 0.0, 0.0)
+
+
+def _check_span_of(n: int, first: float, last: float) -> float:
+    """``last - first``, the span of ``n`` arrivals, when it gives a rate."""
+    if n < 2:
+        raise ConfigError(f"an offered load needs at least 2 requests (an arrival rate), got "
+                          f"{n}")
+    span = last - first
+    if not span > 0:
+        raise ConfigError(f"all {n} requests arrive at t={first}: no arrival "
+                          "rate, so no offered load (stretch the arrivals first)")
+    return span
+
+
 def rate_scaled(requests: Sequence[Request], factor: float) -> list[Request]:
     """The requests with the request rate multiplied by ``factor`` (``--rate-scale X``):
     every inter-arrival time divided by ``factor``, the first arrival kept. ``factor > 1``
     compresses the trace (more load), ``factor < 1`` stretches it. The order and every other
-    field are kept.
+    field are kept. `iter_rate_scaled` does the same to a stream.
 
     Raises:
         ConfigError: ``factor`` is not a positive finite number.
@@ -247,7 +300,31 @@ def rate_scaled(requests: Sequence[Request], factor: float) -> list[Request]:
     return [attrs.evolve(r, arrival=first + (r.arrival - first) / f) for r in reqs]
 
 
-def scale_for_load(requests: Sequence[Request], cost: CostModel, block_size: int,
+def iter_rate_scaled(requests: Iterable[Request], factor: float) -> Iterator[Request]:
+    """`rate_scaled` of requests in arrival order, one at a time (the first arrival, the
+    earliest, is kept; the arithmetic is `rate_scaled`'s, so a sorted list gives the same
+    requests). An arrival before the first one is a `ConfigError` (the stream is not in
+    arrival order). The factor is checked when it is called."""
+    _check_iterable(requests)
+    f = _check_factor("factor (the rate scale)", factor)
+    return _rate_scaled(requests, f)
+
+
+def _rate_scaled(requests: Iterable[Request], f: float) -> Iterator[Request]:
+    first: float | None = None
+    for r in requests:
+        if not isinstance(r, Request):
+            raise ConfigError(f"requests must hold Request objects, got {type(r).__name__}")
+        if first is None:
+            first = r.arrival
+        elif r.arrival < first:
+            raise ConfigError(
+                f"request {r.request_id!r} arrives at {r.arrival!r} s, before the first "
+                f"request's {first!r} s: a rate scale of a stream needs it in arrival order")
+        yield attrs.evolve(r, arrival=first + (r.arrival - first) / f)
+
+
+def scale_for_load(requests: Iterable[Request], cost: CostModel, block_size: int,
                    target: float, **kwargs: Any) -> float:
     """The rate scale (`rate_scaled`'s ``factor``) at which ``requests`` offer ``target``
     utilization (``--target-load``). ``kwargs`` go to `offered_load`.

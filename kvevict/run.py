@@ -5,18 +5,34 @@ built-in engine (`kvevict.engine`) run the same `Scheduler` and differ only in t
 What they share sits here, below both, so neither imports the other:
 
 - `drive`: hand each request to the scheduler once the clock reaches its arrival, and step
-  until every request is finished;
-- `collect`: assemble the finished run into a `SimResult`: per-request records
-  (`RequestRecord`: the time to the first token in its parts, what the first admission's
-  lookup found), run-level counters and what an infinite cache would have hit
-  (`infinite_cache_hits`);
+  until every request is finished. The requests are consumed lazily, in the order given,
+  peeking one ahead (`in_arrival_order`: an arrival earlier than the one before it is a
+  `ConfigError` naming both requests);
+- `RunCollector`: the sink of a run. It sees each request as it is handed to the scheduler
+  (what an infinite cache would hit, `InfiniteCache`) and each as it finishes (the
+  scheduler's ``on_finish`` hook), and keeps only what the summary needs: per request the
+  arrival and the time to the first token in its parts, in `RunColumns` (compact arrays),
+  per workload class running sums of the counters; or, when asked for, a full
+  `RequestRecord` per request. `RunCollector.result` makes the `SimResult`;
+- `collect`: the same `SimResult` from a scheduler that kept its finished requests
+  (``Scheduler.finished``) and the list of requests it ran (the engine's run);
 - `CostModelExecutor`: the executor that charges each step what a `CostModel` says it costs
   (the simulator runs on it; the engine prices its measured steps with it).
+
+**Memory.** A streamed run holds the cache (the pool, the prefix tree, the policy: in
+proportion to the capacity), the requests in flight (waiting or running), and per finished
+request 60 bytes of `RunColumns` (seven float64 times and a 4-byte class code), plus what
+the infinite cache has seen: one bit per distinct block id for the dense non-negative int
+ids of the Mooncake and Alibaba traces (`InfiniteCache`). A cache that never evicts must
+remember every block it was ever given; that set is inherent to the infinite-cache
+baseline, not to the run. With ``records=True`` (`RunCollector`, `kvevict.sim.simulate`) a
+`RequestRecord` per request is kept as well.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -24,13 +40,15 @@ import attrs
 import numpy as np
 
 from kvevict.cost import CostModel
+from kvevict.errors import ConfigError
 from kvevict.hashing import block_hashes
 from kvevict.manager import KVCacheManager
 from kvevict.scheduler import Executor, RequestState, Scheduler, StepOutput, StepPlan
 from kvevict.types import ManualClock, Request
 
-__all__ = ["CostModelExecutor", "RequestRecord", "SimResult", "chunk_seconds", "collect",
-           "drive", "infinite_cache_hits", "recompute_seconds"]
+__all__ = ["CostModelExecutor", "InfiniteCache", "RequestRecord", "RunCollector", "RunColumns",
+           "SimResult", "chunk_seconds", "collect", "drive", "in_arrival_order",
+           "infinite_cache_hits", "recompute_seconds"]
 
 
 def chunk_seconds(cost: CostModel, start: int, end: int, computed: int) -> float:
@@ -199,13 +217,26 @@ _TIMES = (("ttft", "ttft"), ("queue_wait", "queue_wait"), ("wait_memory", "wait_
           ("wait_compute", "wait_compute"), ("prefill_s", "prefill_s"),
           ("recompute_prefill_s", "recompute_prefill_s"), ("reload_s", "reload_s"))
 
+#: the times `RunColumns` keeps per request (`RequestRecord` fields; ``queue_wait`` is
+#: ``wait_memory + wait_compute``, added up again when the summary needs it)
+TIME_COLUMNS = ("ttft", "wait_memory", "wait_compute", "prefill_s", "recompute_prefill_s",
+                "reload_s")
+#: the counters `RunColumns` sums per workload class (`RequestRecord` fields)
+COUNTERS = ("prompt_tokens", "cached_tokens", "computed_prefill_tokens", "output_tokens",
+            "preemptions", "deferrals", "prompt_blocks", "cached_blocks", "resume_lookups",
+            "resume_hit_blocks")
 
-def _times(recs: SequenceABC[RequestRecord]) -> dict[str, float]:
+
+def _times(columns: dict[str, np.ndarray]) -> dict[str, float]:
     """p50/p95/p99 and mean of the TTFT and each of its parts (``ttft_p95``,
-    ``wait_memory_mean``...); the means add up as the records do, the percentiles do not."""
+    ``wait_memory_mean``...) over ``columns`` (`TIME_COLUMNS` -> values, in arrival order);
+    the means add up as the records do, the percentiles do not."""
     out: dict[str, float] = {}
     for key, field in _TIMES:
-        values = np.array([getattr(r, field) for r in recs])
+        if field == "queue_wait":
+            values = columns["wait_memory"] + columns["wait_compute"]
+        else:
+            values = columns[field]
         for q in (50, 95, 99):
             out[f"{key}_p{q}"] = round(_pct(values, q), 6)
         out[f"{key}_mean"] = round(float(values.mean()), 6) if len(values) else 0.0
@@ -216,14 +247,118 @@ def _ratio(num: int, den: int) -> float:
     return round(num / den, 6) if den else 0.0
 
 
+class RunColumns:
+    """What a run's summary needs of its finished requests, without a record per request.
+
+    Per request, in the order they finished: the arrival and the `TIME_COLUMNS` (float64
+    arrays, ``array('d')``) and the workload class (a code into ``classes``, ``array('I')``):
+    60 bytes a request, so the summary's percentiles and means are exact. Per workload
+    class: the request count and the sum of each of `COUNTERS` (Python ints). The summary
+    (`summarize`) puts the requests in arrival order first (a stable sort: ties in the order
+    they finished), the order of `SimResult.records`, so every number equals the one the
+    records give.
+    """
+
+    def __init__(self) -> None:
+        self.arrival = array("d")
+        self.times = {name: array("d") for name in TIME_COLUMNS}
+        self.class_code = array("I")
+        #: workload class -> its code, in order of first appearance
+        self.classes: dict[str, int] = {}
+        #: per class code: requests, then one sum per `COUNTERS` entry
+        self.sums: list[list[int]] = []
+
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RunColumns):
+            return NotImplemented
+        return (self.arrival == other.arrival and self.times == other.times
+                and self.class_code == other.class_code and self.classes == other.classes
+                and self.sums == other.sums)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the per-request arrays (their used length; `array` over-allocates by up
+        to about 1/8 as it grows)."""
+        arrays = [self.arrival, self.class_code, *self.times.values()]
+        return sum(len(a) * a.itemsize for a in arrays)
+
+    def add(self, record: RequestRecord) -> None:
+        """Add one finished request (its fields as `RequestRecord` has them)."""
+        code = self.classes.get(record.workload_class)
+        if code is None:
+            code = self.classes[record.workload_class] = len(self.classes)
+            self.sums.append([0] * (1 + len(COUNTERS)))
+        self.arrival.append(record.arrival)
+        for name, column in self.times.items():
+            column.append(getattr(record, name))
+        self.class_code.append(code)
+        sums = self.sums[code]
+        sums[0] += 1
+        for i, name in enumerate(COUNTERS, start=1):
+            sums[i] += getattr(record, name)
+
+    @classmethod
+    def from_records(cls, records: Iterable[RequestRecord]) -> RunColumns:
+        """The columns of ``records``."""
+        out = cls()
+        for r in records:
+            out.add(r)
+        return out
+
+    def _order(self) -> np.ndarray:
+        """The permutation that puts the requests in arrival order (stable)."""
+        return np.argsort(np.frombuffer(self.arrival, dtype=np.float64), kind="stable")
+
+    def in_arrival_order(self, name: str) -> np.ndarray:
+        """The `TIME_COLUMNS` column ``name`` (or ``"arrival"``), in arrival order."""
+        column = self.arrival if name == "arrival" else self.times[name]
+        return np.frombuffer(column, dtype=np.float64)[self._order()]
+
+    def summarize(self) -> tuple[dict[str, int], dict[str, float], dict[str, dict[str, Any]]]:
+        """``(totals, times, classes)``: ``totals`` the request count (``"requests"``) and
+        each of `COUNTERS` summed over every request; ``times`` as `SimResult.summary` gives
+        them (``ttft_p95``...); ``classes`` the summary of each workload class (sorted by
+        name): requests, hit ratios (first admissions), preemptions, deferrals and times."""
+        order = self._order()
+        columns = {name: np.frombuffer(col, dtype=np.float64)[order]
+                   for name, col in self.times.items()}
+        codes = np.frombuffer(self.class_code, dtype=np.uint32)[order]
+        totals = {"requests": 0, **dict.fromkeys(COUNTERS, 0)}
+        keys = ("requests", *COUNTERS)
+        for sums in self.sums:
+            for key, value in zip(keys, sums, strict=True):
+                totals[key] += value
+        classes: dict[str, dict[str, Any]] = {}
+        for name in sorted(self.classes):
+            code = self.classes[name]
+            c = dict(zip(keys, self.sums[code], strict=True))
+            mask = codes == code
+            classes[name] = {
+                "requests": c["requests"],
+                "token_hit_ratio": _ratio(c["cached_tokens"], c["prompt_tokens"]),
+                "block_hit_ratio": _ratio(c["cached_blocks"], c["prompt_blocks"]),
+                "preemptions": c["preemptions"],
+                "deferrals": c["deferrals"],
+                **_times({k: v[mask] for k, v in columns.items()}),
+            }
+        return totals, _times(columns), classes
+
+
 @attrs.frozen
 class SimResult:
-    """Per-request records and run-level counters of one simulation."""
+    """Run-level counters of one simulation, and its finished requests: a `RequestRecord`
+    each (``records``, when the run kept them) or their `RunColumns` (``columns``)."""
 
     policy: str
     capacity_blocks: int
     block_size: int
-    records: tuple[RequestRecord, ...]
+    #: per request in arrival order, when the run kept records (else None)
+    records: tuple[RequestRecord, ...] | None
     manager_stats: dict[str, Any]
     preemptions: int
     steps: int
@@ -235,6 +370,28 @@ class SimResult:
     #: seconds the executor was busy, and the span from the first to the last arrival
     busy_seconds: float = 0.0
     arrival_span: float = 0.0
+    #: the summary's columns of a run that kept no records (None when it kept them)
+    columns: RunColumns | None = attrs.field(default=None, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.records is None and self.columns is None:
+            raise ConfigError("a SimResult needs its records or its columns (RunColumns)")
+
+    def request_columns(self) -> RunColumns:
+        """The summary's view of the finished requests: ``columns``, or those of
+        ``records`` when the run kept them (the records are then the source of truth, so a
+        result whose records were rescaled, as the engine's are, sums up rescaled)."""
+        if self.records is not None:
+            return RunColumns.from_records(self.records)
+        assert self.columns is not None
+        return self.columns
+
+    def ttfts(self) -> np.ndarray:
+        """Every request's time to the first token, in arrival order (float64)."""
+        if self.records is not None:
+            return np.array([r.ttft for r in self.records], dtype=np.float64)
+        assert self.columns is not None
+        return self.columns.in_arrival_order("ttft")
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers (JSON-ready, rounded for stable output).
@@ -247,22 +404,21 @@ class SimResult:
         (`RequestRecord`), overall and per workload class (``classes``). docs/columns.md
         defines every key.
         """
-        recs = self.records
-        prompt = sum(r.prompt_tokens for r in recs)
-        cached = sum(r.cached_tokens for r in recs)
-        computed = sum(r.computed_prefill_tokens for r in recs)
+        totals, times, classes = self.request_columns().summarize()
+        prompt = totals["prompt_tokens"]
+        computed = totals["computed_prefill_tokens"]
         compulsory = self.infinite_compute_tokens
-        out_tokens = sum(r.output_tokens for r in recs)
+        out_tokens = totals["output_tokens"]
+        n = totals["requests"]
         stats = self.manager_stats
-        times = _times(recs)
-        resume_lookups = sum(r.resume_lookups for r in recs)
-        resume_hits = sum(r.resume_hit_blocks for r in recs)
+        resume_lookups = totals["resume_lookups"]
+        resume_hits = totals["resume_hit_blocks"]
         out: dict[str, Any] = {
             "policy": self.policy,
             "capacity_blocks": self.capacity_blocks,
-            "requests": len(recs),
-            "token_hit_ratio": _ratio(cached, prompt),
-            "block_hit_ratio": _block_hit_ratio(recs),
+            "requests": n,
+            "token_hit_ratio": _ratio(totals["cached_tokens"], prompt),
+            "block_hit_ratio": _ratio(totals["cached_blocks"], totals["prompt_blocks"]),
             "infinite_cache_hit_ratio": _ratio(self.infinite_hit_tokens, prompt),
             "prefill_tokens_computed": computed,
             "recomputed_prefill_tokens": max(computed - compulsory, 0),
@@ -272,7 +428,7 @@ class SimResult:
             "queue_wait_p95": times["queue_wait_p95"],
             "throughput_tokens_per_s": round(out_tokens / self.makespan, 3)
             if self.makespan > 0 else 0.0,
-            "requests_per_s": round(len(recs) / self.makespan, 6) if self.makespan > 0
+            "requests_per_s": round(n / self.makespan, 6) if self.makespan > 0
             else 0.0,
             # the measured load: busy seconds per second of arrivals; at >= 1 the box could
             # not keep up with this policy's misses, and the queue grew through the run
@@ -281,35 +437,136 @@ class SimResult:
             "evictions": stats["evictions"],
             "evictions_by_class": dict(sorted(stats["evictions_by_class"].items())),
             "preemptions": self.preemptions,
-            "deferrals": sum(r.deferrals for r in recs),
+            "deferrals": totals["deferrals"],
             "peak_blocks": stats["peak_blocks_used"],
             "resume_lookups": resume_lookups,
             "resume_hit_blocks": resume_hits,
             "resume_block_hit_ratio": _ratio(resume_hits, resume_lookups),
         }
         out.update(times)
-        by_class: dict[str, list[RequestRecord]] = {}
-        for r in recs:
-            by_class.setdefault(r.workload_class, []).append(r)
-        out["classes"] = {cls: _class_summary(by_class[cls]) for cls in sorted(by_class)}
+        out["classes"] = classes
         return out
 
 
-def _block_hit_ratio(recs: SequenceABC[RequestRecord]) -> float:
-    return _ratio(sum(r.cached_blocks for r in recs), sum(r.prompt_blocks for r in recs))
+# -- the infinite cache --------------------------------------------------------------------
 
 
-def _class_summary(recs: SequenceABC[RequestRecord]) -> dict[str, Any]:
-    """One workload class's requests, hit ratios (first admissions), preemptions and times."""
-    return {
-        "requests": len(recs),
-        "token_hit_ratio": _ratio(sum(r.cached_tokens for r in recs),
-                                  sum(r.prompt_tokens for r in recs)),
-        "block_hit_ratio": _block_hit_ratio(recs),
-        "preemptions": sum(r.preemptions for r in recs),
-        "deferrals": sum(r.deferrals for r in recs),
-        **_times(recs),
-    }
+class _HashSet:
+    """A set of block ids, compact for dense non-negative ints.
+
+    Ints below a bound live in a bitset, in pages of ``2**16`` bits (8 KiB ``bytearray``),
+    allocated on first use; every other id (larger ints, the 128-bit hashes of token-mode
+    requests, other hashables) in a Python set. The bound starts at ``2**20`` and doubles
+    whenever it falls below 8 times the number of members (as `kvevict.workloads.IdTable`
+    grows), and the set members it then covers move into pages. So the dense ids of the
+    Mooncake and Alibaba traces cost one bit each, ids however sparse at most 2 bytes each
+    in pages, and anything else what a Python set costs (about 60 to 100 bytes a member).
+    Integral ids are compared by value (numpy ints as Python ints), as a set compares them.
+    """
+
+    PAGE_BITS = 16
+
+    def __init__(self) -> None:
+        self.bound = 1 << 20
+        self.pages: list[bytearray | None] = [None] * (self.bound >> self.PAGE_BITS)
+        self.other: set[Any] = set()
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pages and their list, plus an estimate of the set's (100 a member)."""
+        pages = sum(1 for p in self.pages if p is not None)
+        return pages * (1 << (self.PAGE_BITS - 3)) + 8 * len(self.pages) + 100 * len(self.other)
+
+    def _key(self, h: Any) -> Any:
+        if type(h) is not int and isinstance(h, (int, np.integer)):
+            return int(h)
+        return h
+
+    def __contains__(self, h: Any) -> bool:
+        h = self._key(h)
+        if type(h) is int and 0 <= h < self.bound:
+            page = self.pages[h >> self.PAGE_BITS]
+            if page is None:
+                return False
+            slot = h & ((1 << self.PAGE_BITS) - 1)
+            return bool(page[slot >> 3] >> (slot & 7) & 1)
+        return h in self.other
+
+    def add(self, h: Any) -> None:
+        h = self._key(h)
+        if type(h) is int and 0 <= h < self.bound:
+            bits = self.PAGE_BITS
+            page = self.pages[h >> bits]
+            if page is None:
+                page = self.pages[h >> bits] = bytearray(1 << (bits - 3))
+            slot = h & ((1 << bits) - 1)
+            bit = 1 << (slot & 7)
+            if page[slot >> 3] & bit:
+                return
+            page[slot >> 3] |= bit
+        else:
+            if h in self.other:
+                return
+            self.other.add(h)
+        self.size += 1
+        if 8 * self.size > self.bound:
+            self._grow()
+
+    def prefix(self, ids: SequenceABC[Any], limit: int) -> int:
+        """How many of the first ``limit`` of ``ids`` are members, counting from the first
+        and stopping at the first that is not."""
+        bits = self.PAGE_BITS
+        mask = (1 << bits) - 1
+        pages, bound = self.pages, self.bound
+        n = 0
+        while n < limit:
+            h = ids[n]
+            if type(h) is int and 0 <= h < bound:
+                page = pages[h >> bits]
+                if page is None:
+                    break
+                slot = h & mask
+                if not page[slot >> 3] >> (slot & 7) & 1:
+                    break
+            elif h not in self:
+                break
+            n += 1
+        return n
+
+    def update(self, ids: Iterable[Any]) -> None:
+        """Add every one of ``ids``."""
+        bits = self.PAGE_BITS
+        mask = (1 << bits) - 1
+        for h in ids:
+            if type(h) is int and 0 <= h < self.bound:
+                pages = self.pages
+                page = pages[h >> bits]
+                if page is None:
+                    page = pages[h >> bits] = bytearray(1 << (bits - 3))
+                slot = h & mask
+                bit = 1 << (slot & 7)
+                if page[slot >> 3] & bit:
+                    continue
+                page[slot >> 3] |= bit
+                self.size += 1
+                if 8 * self.size > self.bound:
+                    self._grow()
+            else:
+                self.add(h)
+
+    def _grow(self) -> None:
+        while 8 * self.size > self.bound:
+            self.bound *= 2
+        self.pages.extend([None] * ((self.bound >> self.PAGE_BITS) - len(self.pages)))
+        moving = [h for h in self.other if type(h) is int and 0 <= h < self.bound]
+        for h in moving:
+            self.other.discard(h)
+            self.size -= 1
+            self.add(h)
 
 
 def _request_hashes(request: Request, block_size: int, with_output: bool) -> list[Any]:
@@ -322,70 +579,197 @@ def _request_hashes(request: Request, block_size: int, with_output: bool) -> lis
     return block_hashes(tokens, block_size)
 
 
-def infinite_cache_hits(requests: SequenceABC[Request], block_size: int) -> list[int]:
+class InfiniteCache:
+    """A cache that never evicts, fed requests one at a time in arrival order: what each
+    would hit (its longest prefix of blocks seen before, as the manager's lookup counts it).
+
+    ``cache_output=True`` (the timed run's): a request's own answer is cached for the next
+    turn, as decode caches it (every sampled token but the last). ``cache_output=False``
+    (the untimed replay's, `kvevict.replay`): only prompts are cached.
+
+    It remembers every block id it was given (`_HashSet`: one bit per dense int id). That is
+    inherent to an infinite cache: it is the set of everything ever cached.
+    """
+
+    def __init__(self, block_size: int, *, cache_output: bool = True) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
+        self.block_size = block_size
+        self.cache_output = cache_output
+        self.seen = _HashSet()
+
+    def lookup(self, request: Request) -> tuple[int, int]:
+        """``(hit blocks, prompt blocks looked up)`` of ``request``, which is then cached."""
+        bs = self.block_size
+        cached = _request_hashes(request, bs, with_output=self.cache_output)
+        if request.block_hashes is not None:
+            prompt = len(cached)
+        else:  # the first full blocks of prompt + output are the prompt's own
+            prompt = request.prompt_len // bs
+        n = self.seen.prefix(cached, prompt)
+        self.seen.update(cached)
+        return n, prompt
+
+    def hit_tokens(self, request: Request) -> int:
+        """Prompt tokens ``request`` hits (its hit blocks' tokens, at most the prompt);
+        then it is cached."""
+        n, _ = self.lookup(request)
+        return min(n * self.block_size, request.prompt_len)
+
+
+def infinite_cache_hits(requests: Iterable[Request], block_size: int) -> list[int]:
     """Prompt tokens an infinite cache would hit, per request in arrival order (a request's
-    own answer is cached for the next turn, as decode caches it)."""
-    seen: set[Any] = set()
-    hits: list[int] = []
-    for r in sorted(requests, key=lambda r: r.arrival):
-        hashes = _request_hashes(r, block_size, with_output=False)
-        n = 0
-        for h in hashes:
-            if h not in seen:
-                break
-            n += 1
-        hits.append(min(n * block_size, r.prompt_len))
-        seen.update(_request_hashes(r, block_size, with_output=True))
-    return hits
+    own answer is cached for the next turn, as decode caches it): `InfiniteCache` over the
+    requests sorted by arrival."""
+    cache = InfiniteCache(block_size)
+    return [cache.hit_tokens(r) for r in sorted(requests, key=lambda r: r.arrival)]
 
 
-def drive(scheduler: Scheduler, ordered: SequenceABC[Request], clock: ManualClock,
-          on_step: Callable[[Scheduler], None] | None = None) -> None:
-    """Hand each request (sorted by arrival) to ``scheduler`` once ``clock`` reaches its
-    arrival and step until every request is finished; when nothing runs, the executor idles
-    until the next arrival. ``on_step`` is called after every step that ran."""
+# -- the run loop --------------------------------------------------------------------------
+
+
+def in_arrival_order(requests: Iterable[Request]) -> Iterator[Request]:
+    """``requests`` as given, one at a time, checked: each a `Request`, arriving no earlier
+    than the one before it (else `ConfigError` naming both requests and their times)."""
+    prev: Request | None = None
+    for r in requests:
+        if not isinstance(r, Request):
+            raise ConfigError(f"requests must be Request objects, got {type(r).__name__}")
+        if prev is not None and r.arrival < prev.arrival:
+            raise ConfigError(
+                f"request {r.request_id!r} arrives at {r.arrival!r} s, before request "
+                f"{prev.request_id!r} (the one given before it) at {prev.arrival!r} s: the "
+                "requests are streamed in the order given and must come in arrival order "
+                "(sort a list by arrival; sort a trace file by arrival once, see "
+                "docs/simulate.md, \"Trace scale\")")
+        prev = r
+        yield r
+
+
+def drive(scheduler: Scheduler, requests: Iterable[Request], clock: ManualClock,
+          on_step: Callable[[Scheduler], None] | None = None, *,
+          on_add: Callable[[RequestState], None] | None = None) -> None:
+    """Hand each request to ``scheduler`` once ``clock`` reaches its arrival and step until
+    every request is finished; when nothing runs, the executor idles until the next arrival.
+
+    ``requests`` is any iterable in arrival order (a list, a generator, a trace file's
+    reader), consumed lazily, one ahead of the clock (`in_arrival_order`: an arrival
+    earlier than the previous one is a `ConfigError`). ``on_step`` is called after every
+    step that ran, ``on_add`` with each request's `RequestState` as it is queued.
+    """
     executor = scheduler.executor
-    i, n = 0, len(ordered)
-    while i < n or scheduler.has_work():
-        while i < n and ordered[i].arrival <= clock.now:
-            scheduler.add(ordered[i])
-            i += 1
+    stream = in_arrival_order(requests)
+    nxt = next(stream, None)
+    while nxt is not None or scheduler.has_work():
+        while nxt is not None and nxt.arrival <= clock.now:
+            state = scheduler.add(nxt)
+            if on_add is not None:
+                on_add(state)
+            nxt = next(stream, None)
         if not scheduler.has_work():
-            executor.idle_until(ordered[i].arrival)
+            assert nxt is not None
+            executor.idle_until(nxt.arrival)
             continue
-        scheduler.step(ordered[i].arrival if i < n else None)
+        scheduler.step(nxt.arrival if nxt is not None else None)
         if on_step is not None:
             on_step(scheduler)
 
 
+class RunCollector:
+    """The sink of a run: what the `SimResult` needs, gathered as requests arrive and
+    finish, so that the scheduler need not keep them (``Scheduler(keep_finished=False)``).
+
+    Hook `admit` to `drive`'s ``on_add`` and `finish` to the scheduler's ``on_finish``;
+    `result` gives the `SimResult`. At arrival it asks the `InfiniteCache` what the request
+    would hit (kept until it finishes, for pricing its recomputed tokens); at finish it makes
+    the request's `RequestRecord` and keeps it (``records=True``) or adds it to `RunColumns`
+    and drops it.
+
+    Args:
+        block_size: tokens per block (the manager's).
+        cost: prices the recomputed prefill tokens (`recompute_seconds`).
+        records: keep a `RequestRecord` per request (memory in proportion to the trace).
+    """
+
+    def __init__(self, block_size: int, cost: CostModel, *, records: bool = False) -> None:
+        if not isinstance(cost, CostModel):
+            raise ConfigError(f"cost must be a CostModel, got {type(cost).__name__}")
+        self.block_size = block_size
+        self.cost = cost
+        self.infinite = InfiniteCache(block_size)
+        self.records: list[RequestRecord] | None = [] if records else None
+        self.columns: RunColumns | None = None if records else RunColumns()
+        self.arrived = 0
+        self.first_arrival = 0.0
+        self.last_arrival = 0.0
+        self.infinite_hit_tokens = 0
+        self.infinite_compute_tokens = 0
+        self._in_flight: dict[RequestState, int] = {}  # state -> its infinite-cache hit
+
+    def arrive(self, request: Request) -> int:
+        """Count ``request`` (arriving in arrival order) and return the prompt tokens an
+        infinite cache would hit."""
+        hit = self.infinite.hit_tokens(request)
+        if not self.arrived:
+            self.first_arrival = request.arrival
+        self.last_arrival = request.arrival
+        self.arrived += 1
+        self.infinite_hit_tokens += hit
+        self.infinite_compute_tokens += max(request.prompt_len - hit, 1)  # >= 1: the logits
+        return hit
+
+    def admit(self, state: RequestState) -> None:
+        """`drive`'s ``on_add``: ``state``'s request has been queued."""
+        self._in_flight[state] = self.arrive(state.request)
+
+    def finish(self, state: RequestState) -> None:
+        """The scheduler's ``on_finish``: ``state`` is done."""
+        self.record(state, self._in_flight.pop(state))
+
+    def record(self, state: RequestState, infinite_hit: int) -> None:
+        """Keep what the summary needs of a finished request (``infinite_hit``: its
+        `arrive` answer)."""
+        record = RequestRecord.from_state(state, recompute_prefill_s=recompute_seconds(
+            self.cost, state.prefill_chunks, state.request.prompt_len,
+            max(infinite_hit, state.cached_tokens or 0)))
+        if self.records is not None:
+            self.records.append(record)
+        else:
+            assert self.columns is not None
+            self.columns.add(record)
+
+    def result(self, scheduler: Scheduler, clock: ManualClock, name: str) -> SimResult:
+        """The `SimResult` of the finished run."""
+        if not self.arrived:
+            raise ConfigError("the run had no requests; a simulation needs at least one")
+        manager = scheduler.manager
+        records = None if self.records is None else tuple(
+            sorted(self.records, key=lambda r: r.arrival))
+        return SimResult(
+            policy=name, capacity_blocks=manager.pool.num_blocks,
+            block_size=manager.block_size, records=records, columns=self.columns,
+            manager_stats=manager.stats.as_dict(), preemptions=scheduler.preemptions,
+            steps=scheduler.steps, makespan=clock.now - self.first_arrival,
+            infinite_hit_tokens=self.infinite_hit_tokens,
+            infinite_compute_tokens=self.infinite_compute_tokens,
+            busy_seconds=scheduler.busy_seconds,
+            arrival_span=self.last_arrival - self.first_arrival)
+
+
 def collect(scheduler: Scheduler, ordered: SequenceABC[Request], clock: ManualClock,
             name: str, cost: CostModel | None = None) -> SimResult:
-    """The `SimResult` of a finished `drive`: per-request records, the manager's stats and
-    what an infinite cache would have hit.
+    """The `SimResult` of a finished `drive` whose scheduler kept its finished requests
+    (``Scheduler.finished``; the engine's run), with a `RequestRecord` per request:
+    `RunCollector` over ``ordered`` (the requests, in arrival order) and the finished ones.
 
     ``cost`` prices the recomputed prefill tokens (`recompute_seconds`) in clock seconds: by
     default the executor's own cost model when it is a `CostModelExecutor`, else the default
     `CostModel`."""
-    manager = scheduler.manager
-    block_size = manager.block_size
-    inf_hits = infinite_cache_hits(ordered, block_size)
     if cost is None:
         executor = scheduler.executor
         cost = executor.cost if isinstance(executor, CostModelExecutor) else CostModel()
-    inf_by_id = {r.request_id: h for r, h in zip(ordered, inf_hits, strict=True)}
-    records = tuple(
-        RequestRecord.from_state(s, recompute_prefill_s=recompute_seconds(
-            cost, s.prefill_chunks, s.request.prompt_len,
-            max(inf_by_id[s.request_id], s.cached_tokens or 0)))
-        for s in sorted(scheduler.finished, key=lambda s: s.arrival))
-    return SimResult(
-        policy=name, capacity_blocks=manager.pool.num_blocks, block_size=block_size,
-        records=records, manager_stats=manager.stats.as_dict(),
-        preemptions=scheduler.preemptions, steps=scheduler.steps,
-        makespan=clock.now - ordered[0].arrival,
-        infinite_hit_tokens=sum(inf_hits),
-        busy_seconds=scheduler.busy_seconds,
-        arrival_span=ordered[-1].arrival - ordered[0].arrival,
-        infinite_compute_tokens=sum(max(r.prompt_len - h, 1)  # >= 1: the last token's
-                                    for r, h in zip(ordered, inf_hits, strict=True)),  # logits
-    )
+    collector = RunCollector(scheduler.manager.block_size, cost, records=True)
+    hits = {r.request_id: collector.arrive(r) for r in ordered}
+    for state in scheduler.finished:
+        collector.record(state, hits[state.request_id])
+    return collector.result(scheduler, clock, name)

@@ -280,12 +280,18 @@ class Scheduler:
         manager: the cache manager (its clock is the scheduler's clock).
         executor: runs each step.
         config: `SchedulerConfig`.
-        on_finish: called with each finished `RequestState`.
+        on_finish: called with each finished `RequestState` (the sink of a run that keeps
+            what it needs itself, as `kvevict.run.RunCollector`).
+        keep_finished: keep every finished `RequestState` in ``finished`` (the default; its
+            request and prompt stay referenced). With False a finished request leaves the
+            scheduler once ``on_finish`` has seen it, so a long run holds only the requests
+            in flight.
     """
 
     def __init__(self, manager: KVCacheManager, executor: Executor,
                  config: SchedulerConfig | None = None,
-                 on_finish: Callable[[RequestState], None] | None = None) -> None:
+                 on_finish: Callable[[RequestState], None] | None = None, *,
+                 keep_finished: bool = True) -> None:
         if not isinstance(manager, KVCacheManager):
             raise ConfigError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
         if not isinstance(executor, Executor):
@@ -294,6 +300,9 @@ class Scheduler:
         self.executor = executor
         self.config = config if config is not None else SchedulerConfig()
         self.on_finish = on_finish
+        if not isinstance(keep_finished, bool):
+            raise ConfigError(f"keep_finished must be True or False, got {keep_finished!r}")
+        self.keep_finished = keep_finished
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.finished: list[RequestState] = []
@@ -540,7 +549,8 @@ class Scheduler:
                 state.status = "finished"
                 state.finish_time = now
                 self.running.remove(state)
-                self.finished.append(state)
+                if self.keep_finished:
+                    self.finished.append(state)
                 if self.on_finish is not None:
                     self.on_finish(state)
                 state.seq = None  # its blocks are released; keep the record, not the tokens

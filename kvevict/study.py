@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import multiprocessing
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -34,10 +33,44 @@ from kvevict.layout import KVLayout
 from kvevict.scheduler import SchedulerConfig
 from kvevict.types import Request
 
-__all__ = ["Cell", "Source", "Study", "run_cell", "run_cells"]
+__all__ = ["Cell", "Source", "Study", "TraceRequests", "run_cell", "run_cells"]
 
 #: Trace readers by ``--format`` name.
 READERS = ("jsonl", "mooncake", "alibaba", "sharegpt")
+
+
+@attrs.frozen
+class TraceRequests:
+    """A trace file's requests as a re-iterable stream: each ``iter()`` reads the file afresh
+    (`kvevict.workloads.TraceFile`) one request at a time, in file order, rate-scaled on the
+    way (`kvevict.load.iter_rate_scaled`) when ``rate_scale`` is not 1.
+
+    The file must be sorted by arrival: the Mooncake reader rejects an earlier timestamp
+    (naming the line), and every run over the stream (`kvevict.run.in_arrival_order`)
+    rejects an arrival earlier than the one before it, naming both requests."""
+
+    path: str
+    format: str = "jsonl"
+    #: the Mooncake or Alibaba trace's block size (None: the reader's default)
+    block_size: int | None = None
+    rate_scale: float = 1.0
+
+    def trace(self) -> Any:
+        """The `kvevict.workloads.TraceFile` it reads."""
+        from kvevict.workloads import TraceFile
+
+        options: dict[str, Any] = {}
+        if self.format in ("mooncake", "alibaba") and self.block_size is not None:
+            options["block_size"] = self.block_size
+        return TraceFile(self.path, self.format, **options)
+
+    def __iter__(self) -> Iterator[Request]:
+        requests: Iterable[Request] = self.trace()
+        if self.rate_scale != 1.0:
+            from kvevict.load import iter_rate_scaled
+
+            requests = iter_rate_scaled(requests, self.rate_scale)
+        return iter(requests)
 
 
 @attrs.frozen
@@ -62,22 +95,17 @@ class Source:
             raise ConfigError(f"unknown trace format {self.format!r}; valid formats: "
                               f"{', '.join(READERS)}")
 
-    def requests(self, seed: int) -> list[Request]:
-        """The requests of ``seed`` (a trace file gives the same ones for every seed),
-        sorted by arrival."""
+    def requests(self, seed: int) -> list[Request] | TraceRequests:
+        """The requests of ``seed`` in arrival order: a generated workload's as a list,
+        sorted; a trace file's (the same for every seed) as a `TraceRequests` stream, read
+        afresh by every pass over it and never held whole."""
+        if self.trace is not None:
+            return TraceRequests(self.trace, self.format, self.block_size, self.rate_scale)
         from kvevict import workloads
 
-        if self.workload is not None:
-            kwargs = {} if self.duration is None else {"duration": self.duration}
-            requests = workloads.generate(self.workload, seed=seed, scale=self.scale, **kwargs)
-        else:
-            path = Path(self.trace)  # type: ignore[arg-type]
-            if self.format == "mooncake":
-                requests = workloads.read_mooncake(path, block_size=self.block_size)
-            else:
-                reader = {"jsonl": workloads.read_jsonl, "alibaba": workloads.read_alibaba,
-                          "sharegpt": workloads.read_sharegpt}[self.format]
-                requests = reader(path)
+        kwargs = {} if self.duration is None else {"duration": self.duration}
+        requests = workloads.generate(self.workload, seed=seed, scale=self.scale,  # type: ignore[arg-type]
+                                      **kwargs)
         requests = sorted(requests, key=lambda r: r.arrival)
         if self.rate_scale != 1.0:
             from kvevict.load import rate_scaled
@@ -106,7 +134,8 @@ MODES = ("timed", "replay")
 @attrs.frozen(order=True)
 class Cell:
     """One simulation: ``policy`` at ``capacity_blocks`` on the requests of ``seed``;
-    ``records`` asks for the per-request records in the result. ``mode="replay"`` runs the
+    ``records`` asks for the per-request records in the result, ``ttfts`` for every
+    request's TTFT alone. ``mode="replay"`` runs the
     plain block-level replay instead (`kvevict.replay.replay`: one request at a time, no
     timing), where Belady is the exact furthest-next-use oracle; ``capacity_blocks=None``
     there is a pool that never evicts (the infinite cache of that replay)."""
@@ -116,6 +145,9 @@ class Cell:
     seed: int
     records: bool = False
     mode: str = attrs.field(default="timed")
+    #: return every request's TTFT (``"ttfts"``: `SimResult.ttfts`, 8 bytes a request), for
+    #: a TTFT CDF without the records
+    ttfts: bool = False
 
     @mode.validator
     def _check_mode(self, attribute: Any, value: Any) -> None:
@@ -126,11 +158,12 @@ class Cell:
                               "(capacity_blocks=None)")
 
 
-#: this process's requests by (source, seed): a worker builds each seed's trace once
-_REQUESTS: dict[tuple[Source, int], list[Request]] = {}
+#: this process's requests by (source, seed): a worker builds each seed's trace once (a
+#: trace file's is a `TraceRequests` stream: nothing is held)
+_REQUESTS: dict[tuple[Source, int], list[Request] | TraceRequests] = {}
 
 
-def study_requests(study: Study, seed: int) -> list[Request]:
+def study_requests(study: Study, seed: int) -> list[Request] | TraceRequests:
     """``study``'s requests of ``seed``, built once per process."""
     key = (study.source, seed)
     if key not in _REQUESTS:
@@ -140,8 +173,9 @@ def study_requests(study: Study, seed: int) -> list[Request]:
 
 
 def run_cell(study: Study, cell: Cell) -> dict[str, Any]:
-    """Simulate ``cell``: its `SimResult.summary` with ``"seed"`` added, and with
-    ``"records"`` (one dict per request, in arrival order) when the cell asks for them. A
+    """Simulate ``cell``: its `SimResult.summary` with ``"seed"`` added, with ``"records"``
+    (one dict per request, in arrival order) when the cell asks for them, and ``"ttfts"``
+    (a float64 array, in arrival order) when it asks for those. A
     replay cell gives its policy, mode, seed, capacity, hit ratios, requests and evictions."""
     from kvevict.policies.registry import load_policy_modules
     from kvevict.sim import simulate
@@ -153,27 +187,56 @@ def run_cell(study: Study, cell: Cell) -> dict[str, Any]:
         return _replay_cell(study, cell, requests)
     result = simulate(requests, cell.policy,
                       capacity_blocks=cell.capacity_blocks, layout=study.layout,
-                      block_size=study.block_size, cost=study.cost, config=study.config)
+                      block_size=study.block_size, cost=study.cost, config=study.config,
+                      records=cell.records)
     out = result.summary()
     out["seed"] = cell.seed
     if cell.records:
-        out["records"] = [attrs.asdict(r) for r in result.records]
+        out["records"] = [attrs.asdict(r) for r in result.records]  # type: ignore[union-attr]
+    if cell.ttfts:
+        out["ttfts"] = result.ttfts()
     return out
 
 
-def _replay_cell(study: Study, cell: Cell, requests: list[Request]) -> dict[str, Any]:
+def _replay_cell(study: Study, cell: Cell, requests: Iterable[Request]) -> dict[str, Any]:
     from kvevict.replay import replay
 
-    capacity = cell.capacity_blocks
-    if capacity is None:  # room for every prompt block of the trace: nothing is evicted
-        capacity = sum(-(-max(r.prompt_len, len(r.block_hashes or ()) * study.block_size)
-                         // study.block_size) for r in requests) + 1
-    result = replay(requests, cell.policy, capacity, study.block_size)
+    if cell.capacity_blocks is None:
+        return _infinite_replay_cell(study, cell, requests)
+    result = replay(requests, cell.policy, cell.capacity_blocks, study.block_size)
     return {"policy": cell.policy, "mode": "replay", "seed": cell.seed,
             "capacity_blocks": cell.capacity_blocks,
             "token_hit_ratio": round(result.token_hit_ratio, 6),
             "block_hit_ratio": round(result.block_hit_ratio, 6),
             "requests": result.requests, "evictions": result.evictions}
+
+
+def _infinite_replay_cell(study: Study, cell: Cell, requests: Iterable[Request]
+                          ) -> dict[str, Any]:
+    """The replay cell of a pool that never evicts (``capacity_blocks=None``), counted
+    without a pool: in the plain replay (`kvevict.replay`: one request at a time, prompts
+    cached, nothing evicted) a request hits its longest prefix of blocks seen before, and
+    an infinite cache that caches prompts only (`kvevict.run.InfiniteCache`,
+    ``cache_output=False``) counts exactly that: the same blocks looked up and hit, the same
+    tokens (a test checks it against the replay of a pool holding every block). It holds
+    one bit per distinct dense block id instead of a pool and a record per block."""
+    from kvevict.run import InfiniteCache
+
+    cache = InfiniteCache(study.block_size, cache_output=False)
+    bs = study.block_size
+    n = blocks = block_hits = tokens = token_hits = 0
+    for r in requests:
+        hit, looked_up = cache.lookup(r)
+        n += 1
+        blocks += looked_up
+        block_hits += hit
+        tokens += r.prompt_len
+        token_hits += min(hit * bs, r.prompt_len)
+    return {"policy": cell.policy, "mode": "replay", "seed": cell.seed,
+            "capacity_blocks": None,
+            "token_hit_ratio": round(token_hits / tokens if tokens else 0.0, 6),
+            "block_hit_ratio": round(block_hits / blocks if blocks else 0.0, 6),
+            "requests": n, "evictions": 0}
 
 
 def run_cells(study: Study, cells: Sequence[Cell], *, jobs: int = 1, ray: bool = False,

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvevict import ConfigError, Request
+from kvevict.cost import CostModel
 from kvevict.policies import belady as belady_module
 from kvevict.policies.belady import NEVER, Belady, FileBelady, NextUseFile
 from kvevict.replay import replay, replay_table
@@ -256,3 +257,298 @@ def test_belady_replay_memory_follows_the_distinct_blocks_not_the_requests(monke
 
     grown = backward(8000) - backward(2000)
     assert 0.9 * 4 * 12 * slots < grown < 4 * 12 * slots + 2**16, (grown, slots)
+
+
+# -- the timed simulation streams ----------------------------------------------------------
+
+
+def _sim_chats(n, gap=0.05):
+    """``n`` requests of 4-turn chat sessions (each turn extends the session's chain by two
+    16-token blocks; dense ids), ``gap`` seconds apart, 4 output tokens each: a stable load
+    (measured about 0.3 on the default cost model) with a little of everything (hits,
+    evictions at 64 blocks, decode)."""
+    for i in range(n):
+        s, t = divmod(i, 4)
+        yield Request(i, block_hashes=[s * 8 + k for k in range(2 * (t + 1))],
+                      num_tokens=32 * (t + 1), arrival=i * gap, output_len=4, session_id=s,
+                      workload_class="chat" if s % 3 else "agent")
+
+
+def _old_infinite_cache_hits(requests, block_size):
+    """The list-based reference the online `InfiniteCache` replaces: a Python set of every
+    hash seen, walked request by request in arrival order."""
+    from kvevict.run import _request_hashes
+
+    seen, hits = set(), []
+    for r in sorted(requests, key=lambda r: r.arrival):
+        n = 0
+        for h in _request_hashes(r, block_size, with_output=False):
+            if h not in seen:
+                break
+            n += 1
+        hits.append(min(n * block_size, r.prompt_len))
+        seen.update(_request_hashes(r, block_size, with_output=True))
+    return hits
+
+
+@pytest.mark.parametrize("policy", ["lru", "belady"])
+def test_a_streamed_simulation_equals_the_listed_one_on_the_bundled_trace(policy):
+    from kvevict.sim import simulate
+
+    head = read_mooncake(bundled_trace_path())[:1200]
+    listed = simulate(head, policy, capacity_blocks=1500, block_size=512)
+    streamed = simulate(itertools.islice(TraceFile(bundled_trace_path(), "mooncake"), 1200),
+                        policy, capacity_blocks=1500, block_size=512)
+    assert streamed.records is None and listed.records is not None  # records: lists only
+    assert streamed.summary() == listed.summary()
+    assert len(streamed.columns) == 1200 and streamed.columns.nbytes == 1200 * 60
+    kept = simulate(iter(head), policy, capacity_blocks=1500, block_size=512, records=True)
+    assert kept.records == listed.records and kept.summary() == listed.summary()
+
+
+def test_a_streamed_untimed_simulation_equals_the_listed_one_on_the_whole_trace():
+    from kvevict.sim import simulate
+
+    listed = simulate(read_mooncake(bundled_trace_path()), "lru", capacity_blocks=2000,
+                      block_size=512, timing=False).summary()
+    streamed = simulate(TraceFile(bundled_trace_path(), "mooncake"), "lru",
+                        capacity_blocks=2000, block_size=512, timing=False).summary()
+    assert streamed == listed
+    assert listed["requests"] == 3993 and listed["token_hit_ratio"] > 0.1
+
+
+@pytest.mark.parametrize("policy", ["lru", "market", "belady"])
+def test_a_streamed_simulation_equals_the_listed_one_on_a_generated_workload(policy):
+    from kvevict.sim import simulate
+    from kvevict.workloads import generate
+
+    reqs = generate("mixed", seed=3, duration=120)
+    assert len({r.workload_class for r in reqs}) > 1  # per-class columns are exercised
+    listed = simulate(reqs, policy, capacity_blocks=600, block_size=16)
+    ordered = sorted(reqs, key=lambda r: r.arrival)
+    streamed = simulate((r for r in ordered), policy, capacity_blocks=600, block_size=16)
+    assert streamed.summary() == listed.summary()
+    assert listed.summary()["preemptions"] + listed.summary()["evictions"] > 0
+    assert streamed.ttfts().tolist() == listed.ttfts().tolist() == [r.ttft for r in
+                                                                     listed.records]
+
+
+def test_a_cell_gives_the_ttfts_without_the_records():
+    from kvevict.layout import preset
+    from kvevict.study import Cell, Source, Study, run_cell
+
+    study = Study(Source(workload="mixed", duration=60), preset("llama-3-8b"), 16, CostModel())
+    both = run_cell(study, Cell("lru", 600, 2, records=True, ttfts=True))
+    alone = run_cell(study, Cell("lru", 600, 2, ttfts=True))
+    assert "records" not in alone and alone["ttfts"].dtype == np.float64
+    assert alone["ttfts"].tolist() == [r["ttft"] for r in both["records"]]
+    assert len(alone["ttfts"]) == alone["requests"] > 10
+
+
+def test_the_columns_summarize_as_the_records_do():
+    from kvevict.run import RunColumns, SimResult
+    from kvevict.sim import simulate
+
+    result = simulate(list(_sim_chats(400)), "lru", capacity_blocks=64, block_size=16)
+    columns = RunColumns.from_records(reversed(result.records))  # finish order is any order
+    from_columns = SimResult(**{**{f: getattr(result, f) for f in
+                                   ("policy", "capacity_blocks", "block_size",
+                                    "manager_stats", "preemptions", "steps", "makespan",
+                                    "infinite_hit_tokens", "infinite_compute_tokens",
+                                    "busy_seconds", "arrival_span")},
+                                "records": None, "columns": columns})
+    assert from_columns.summary() == result.summary()
+    assert sorted(result.summary()["classes"]) == ["agent", "chat"]
+    with pytest.raises(ConfigError, match="needs its records or its columns"):
+        SimResult(**{**{f: getattr(result, f) for f in ("policy", "capacity_blocks",
+                                                        "block_size", "manager_stats",
+                                                        "preemptions", "steps", "makespan",
+                                                        "infinite_hit_tokens",
+                                                        "infinite_compute_tokens")},
+                     "records": None})
+
+
+def test_simulation_memory_does_not_grow_with_finished_requests():
+    """tracemalloc's peak over a streamed run of 2,000 and of 6,000 requests (stable load,
+    the same cache): what the run holds per extra finished request is its `RunColumns` row
+    (60 bytes: seven float64 times and a 4-byte class code; `array` over-allocates by up to
+    1/8 as it grows) and the infinite cache's bit per new block id. 100 bytes a request
+    leaves room for that and for allocator noise, and is far below what keeping any object
+    per request costs: a `RequestRecord` is about 400 bytes (measured below), a
+    `RequestState` with its `Request` more."""
+    from kvevict.sim import simulate
+
+    def run(n, **kw):
+        return lambda: simulate(_sim_chats(n), "lru", capacity_blocks=64, block_size=16, **kw)
+
+    short, long = _peak(run(2000)), _peak(run(6000))
+    per_request = (long - short) / 4000
+    assert per_request < 100, (short, long, per_request)
+    records = _peak(run(6000, records=True))
+    assert (records - long) / 6000 > 250  # what a record per request would add
+
+
+def test_the_scheduler_lets_finished_requests_go():
+    from kvevict.manager import KVCacheManager
+    from kvevict.pool import BlockPool
+    from kvevict.run import CostModelExecutor, RunCollector, drive
+    from kvevict.scheduler import Scheduler
+    from kvevict.types import ManualClock
+
+    clock = ManualClock()
+    manager = KVCacheManager(BlockPool(64, 16), "lru", clock=clock)
+    executor = CostModelExecutor(CostModel(), clock)
+    collector = RunCollector(16, executor.cost)
+    seen = []
+
+    def sink(state):
+        seen.append(state.request_id)
+        collector.finish(state)
+
+    scheduler = Scheduler(manager, executor, on_finish=sink, keep_finished=False)
+    drive(scheduler, _sim_chats(40), clock, on_add=collector.admit)
+    assert scheduler.finished == [] and sorted(seen) == list(range(40))
+    assert collector.result(scheduler, clock, "lru").summary()["requests"] == 40
+    with pytest.raises(ConfigError, match="keep_finished must be True or False"):
+        Scheduler(manager, executor, keep_finished=0)
+
+
+def _out_of_order():
+    return [Request("a", block_hashes=[1], num_tokens=16, arrival=0.0),
+            Request("b", block_hashes=[2], num_tokens=16, arrival=2.5),
+            Request("c", block_hashes=[3], num_tokens=16, arrival=1.25)]
+
+
+def test_an_arrival_out_of_order_names_both_requests():
+    from kvevict.load import offered_load
+    from kvevict.sim import simulate
+
+    message = (r"request 'c' arrives at 1\.25 s, before request 'b' \(the one given before "
+               r"it\) at 2\.5 s: .* must come in arrival order")
+    with pytest.raises(ConfigError, match=message):
+        simulate(iter(_out_of_order()), "lru", capacity_blocks=8, block_size=16)
+    with pytest.raises(ConfigError, match=message):
+        offered_load(iter(_out_of_order()), CostModel(), 16)
+    # a list is sorted first, as before
+    assert simulate(_out_of_order(), "lru", capacity_blocks=8,
+                    block_size=16).summary()["requests"] == 3
+
+
+def test_a_trace_file_out_of_arrival_order_is_rejected(tmp_path):
+    from kvevict.layout import preset
+    from kvevict.study import Cell, Source, Study, TraceRequests, run_cell
+    from kvevict.workloads import write_jsonl
+
+    path = tmp_path / "unsorted.jsonl"
+    write_jsonl(_out_of_order(), path)
+    study = Study(Source(trace=str(path), format="jsonl"), preset("llama-3-8b"), 16,
+                  CostModel())
+    assert isinstance(study.source.requests(0), TraceRequests)
+    with pytest.raises(ConfigError, match=r"request 'c' arrives at 1\.25 s, before request 'b'"):
+        run_cell(study, Cell("lru", 8, 0))
+    lines = path.read_text().splitlines()
+    sorted_path = tmp_path / "sorted.jsonl"
+    sorted_path.write_text("\n".join([lines[0], lines[2], lines[1]]) + "\n")
+    ok = Study(Source(trace=str(sorted_path), format="jsonl"), preset("llama-3-8b"), 16,
+               CostModel())
+    assert run_cell(ok, Cell("lru", 8, 0))["requests"] == 3
+
+
+def test_a_trace_source_streams_and_rate_scales_as_the_list():
+    from kvevict.load import iter_rate_scaled, rate_scaled
+    from kvevict.study import Source
+    from kvevict.workloads import trace_digest
+
+    whole = read_mooncake(bundled_trace_path())
+    source = Source(trace=str(bundled_trace_path()), format="mooncake", block_size=512,
+                    rate_scale=2.5)
+    stream = source.requests(0)
+    first, again = list(stream), list(stream)  # each pass reads the file afresh
+    scaled = rate_scaled(whole, 2.5)
+    assert trace_digest(first) == trace_digest(again) == trace_digest(scaled)
+    assert [r.arrival for r in first] == [r.arrival for r in scaled]
+    assert scaled[-1].arrival == whole[-1].arrival / 2.5
+    assert trace_digest(iter_rate_scaled(iter(whole), 2.5)) == trace_digest(scaled)
+    late = [Request("x", block_hashes=[1], num_tokens=4, arrival=5.0),
+            Request("y", block_hashes=[2], num_tokens=4, arrival=4.0)]
+    with pytest.raises(ConfigError, match=r"before the first request's 5\.0 s"):
+        list(iter_rate_scaled(late, 2.0))
+    with pytest.raises(ConfigError, match="rate scale"):
+        iter_rate_scaled(whole, 0)
+
+
+def test_the_offered_load_of_a_stream_is_the_list_ones():
+    from kvevict.load import offered_load, scale_for_load
+
+    whole = read_mooncake(bundled_trace_path())
+    cost = CostModel()
+    assert offered_load(TraceFile(bundled_trace_path(), "mooncake"), cost, 512) == \
+        offered_load(whole, cost, 512)
+    assert scale_for_load(TraceFile(bundled_trace_path(), "mooncake"), cost, 512, 0.7) == \
+        scale_for_load(whole, cost, 512, 0.7)
+    hits = [0] * len(whole)
+    assert offered_load(iter(whole), cost, 512, hit_tokens=iter(hits)) == \
+        offered_load(whole, cost, 512, hit_tokens=hits)
+    with pytest.raises(ConfigError, match="hit_tokens has 3 entries for more requests"):
+        offered_load(iter(whole), cost, 512, hit_tokens=iter([0, 0, 0]))
+    with pytest.raises(ConfigError, match="more entries than the 3993 requests"):
+        offered_load(iter(whole), cost, 512, hit_tokens=iter(hits + [0]))
+    with pytest.raises(ConfigError, match="at least 2 requests"):
+        offered_load(iter(whole[:1]), cost, 512)
+
+
+# -- the infinite cache ----------------------------------------------------------------------
+
+
+def test_the_hash_set_is_a_set_and_one_bit_per_dense_id():
+    from kvevict.run import _HashSet
+
+    rng = random.Random(3)
+    keys = ([rng.randrange(3000) for _ in range(2000)] + [rng.randrange(2**40)
+                                                          for _ in range(500)]
+            + [2**127 + rng.randrange(99), -5, ("a", 1), "b", np.int64(17), 17.5])
+    hs, ref = _HashSet(), set()
+    for k in keys:
+        assert (k in hs) == (k in ref)
+        hs.add(k)
+        ref.add(k)
+        assert len(hs) == len(ref)
+    assert all(k in hs for k in ref) and 3001 not in hs and np.int64(17) in hs and 17 in hs
+    dense = _HashSet()
+    for k in range(3_000_000):
+        dense.add(k)
+    assert len(dense) == 3_000_000 and dense.other == set() and 2_999_999 in dense
+    # 46 pages of 8 KiB for 3M ids (a bit each), plus the list of pages
+    assert dense.nbytes < 3_000_000 / 8 * 1.05 + 8 * len(dense.pages), dense.nbytes
+
+
+def test_the_online_infinite_cache_gives_the_old_hits():
+    from kvevict.run import infinite_cache_hits
+    from kvevict.workloads import generate
+
+    for reqs, bs in ((read_mooncake(bundled_trace_path()), 512),
+                     (generate("chat-server", seed=2, duration=120), 16),
+                     (generate("mixed", seed=1, duration=60), 16)):
+        hits = infinite_cache_hits(reqs, bs)
+        assert hits == _old_infinite_cache_hits(reqs, bs)
+        assert sum(hits) > 0
+
+
+def test_the_infinite_replay_cell_is_the_replay_of_a_pool_holding_every_block():
+    from kvevict.layout import preset
+    from kvevict.study import Cell, Source, Study, run_cell
+
+    sources = [(Source(trace=str(bundled_trace_path()), format="mooncake", block_size=512),
+                512), (Source(workload="mixed", duration=60), 16)]
+    for source, bs in sources:
+        study = Study(source, preset("llama-3-8b"), bs, CostModel())
+        reqs = list(source.requests(1))
+        every = sum(-(-max(r.prompt_len, len(r.block_hashes or ()) * bs) // bs)
+                    for r in reqs) + 1  # what the cell used to allocate
+        pool = replay(reqs, "lru", every, bs)
+        cell = run_cell(study, Cell("lru", None, 1, mode="replay"))
+        assert pool.evictions == 0
+        assert cell == {"policy": "lru", "mode": "replay", "seed": 1, "capacity_blocks": None,
+                        "token_hit_ratio": round(pool.token_hit_ratio, 6),
+                        "block_hit_ratio": round(pool.block_hit_ratio, 6),
+                        "requests": pool.requests, "evictions": 0}

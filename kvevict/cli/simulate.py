@@ -136,6 +136,18 @@ def blocks_needed(request: Any, block_size: int) -> int:
     return -(-(prompt + request.output_len) // block_size)
 
 
+def _widest(requests: Any, block_size: int) -> tuple[int, Any, int]:
+    """``(requests, the first of the largest, its blocks_needed)`` in one pass over
+    ``requests`` (a list or a trace file's stream); ``(0, None, 0)`` when there are none."""
+    count, largest, need = 0, None, 0
+    for r in requests:
+        count += 1
+        blocks = blocks_needed(r, block_size)
+        if blocks > need:
+            largest, need = r, blocks
+    return count, largest, need
+
+
 def _layout(args: argparse.Namespace) -> KVLayout:
     if args.model_config is not None:
         try:
@@ -269,9 +281,10 @@ def simulate_command(args: argparse.Namespace) -> int:
     n_seeds = args.seeds or (1 if args.trace is not None else DEFAULT_SEEDS)
     seeds = list(range(args.seed, args.seed + n_seeds))
 
-    # the load: one rate scale for every seed, found on the first seed's requests
+    # the load: one rate scale for every seed, found on the first seed's requests (a trace
+    # file's are a stream, read afresh by each pass: nothing here holds the whole trace)
     first = source.requests(seeds[0])
-    if not first:
+    if isinstance(first, list) and not first:
         raise ConfigError(f"{workload} holds no requests")
     rate_scale = 1.0
     if args.target_load is not None:
@@ -293,11 +306,9 @@ def simulate_command(args: argparse.Namespace) -> int:
 
     min_blocks = 0
     for s in seeds:
-        requests = study_requests(study, s)
-        if not requests:
+        count, largest, need = _widest(study_requests(study, s), block_size)
+        if not count:
             raise ConfigError(f"{workload} (seed {s}) holds no requests")
-        largest = max(requests, key=lambda r: blocks_needed(r, block_size))
-        need = blocks_needed(largest, block_size)
         if need > min_blocks:
             min_blocks, widest = need, largest
     if capacity < min_blocks:
@@ -319,7 +330,7 @@ def simulate_command(args: argparse.Namespace) -> int:
                      f"{capacity * layout.bytes_per_block(block_size) / GIB:.2f} GiB")
     if oversubscribed:
         capacity_desc += f" (oversubscribed: the box holds {box_blocks:,} blocks)"
-    print(f"workload {workload}: {len(first):,} requests (seed {seeds[0]}), "
+    print(f"workload {workload}: {load.requests:,} requests (seed {seeds[0]}), "
           f"{n_seeds} seed{'s' if n_seeds != 1 else ''}; model {layout.name}")
     print(f"box: {kv.text(block_size) if kv is not None else box.describe()}")
     print(f"cache: {capacity_desc}")
@@ -328,7 +339,9 @@ def simulate_command(args: argparse.Namespace) -> int:
     if unstable_message:
         print(f"warning: {unstable_message}; no decision is made on latencies")
 
-    cells = [Cell(p, c, s, records=c == capacity)  # the TTFT CDF: every seed, with its band
+    # at the decided size: every request's TTFT for the CDF (every seed, with its band), and
+    # the full records only with --records (a dict per request: memory in proportion to it)
+    cells = [Cell(p, c, s, records=args.records and c == capacity, ttfts=c == capacity)
              for c in [capacity, *sweep_caps] for s in seeds for p in policies]
     cells += [Cell(p, c, s, mode="replay") for s in seeds
               for p, c in [(p, c) for c in [capacity, *sweep_caps] for p in ("lru", "belady")]
@@ -342,6 +355,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     timed = [r for r, c in zip(results, cells, strict=True) if c.mode == "timed"]
     replays = [r for r, c in zip(results, cells, strict=True) if c.mode == "replay"]
     records = {(r["policy"], r["seed"]): r.pop("records") for r in timed if "records" in r}
+    ttfts = {(r["policy"], r["seed"]): r.pop("ttfts") for r in timed if "ttfts" in r}
     main_cells = [r for r in timed if r["capacity_blocks"] == capacity]
     headroom = _headroom(replays, capacity)
 
@@ -413,8 +427,8 @@ def simulate_command(args: argparse.Namespace) -> int:
                                       f"{workload}: hit ratio vs cache size")
                 written.append("hit_ratio.png")
             report.plot_ttft_cdf(
-                {p: {s: [rec["ttft"] for rec in recs] for (q, s), recs in records.items()
-                     if q == p} for p in dict.fromkeys(p for p, _ in records)},
+                {p: {s: values for (q, s), values in ttfts.items() if q == p}
+                 for p in dict.fromkeys(p for p, _ in ttfts)},
                 out / "ttft_cdf.png", f"{workload}: TTFT at {capacity:,} blocks")
             written.append("ttft_cdf.png")
             lru_replays, exact = _headroom_plot(replays)
