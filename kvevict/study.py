@@ -100,7 +100,8 @@ class Study:
     policy_modules: tuple[str, ...] = ()
     #: admission control by name (`kvevict.policies.market.admission.admission_for`):
     #: ``"always"``, or ``"market"``, which defers in the cells of a policy that quotes prices
-    #: (``market``); each cell's summary records the admission it ran with (``"admission"``)
+    #: (``market``); each cell's summary then records the admission it ran with
+    #: (``"admission"``)
     admission: str = attrs.field(default="always",
                                  validator=lambda _study, _attribute, v: check_admission(v))
 
@@ -163,7 +164,8 @@ def run_cell(study: Study, cell: Cell) -> dict[str, Any]:
                       block_size=study.block_size, cost=study.cost, config=study.config)
     out = result.summary()
     out["seed"] = cell.seed
-    out["policy"], out["admission"] = cell.policy, "always" if admission is None else "market"
+    if study.admission != "always":  # which cells deferred: the market's, not LRU's
+        out["policy"], out["admission"] = cell.policy, "always" if admission is None else "market"
     if cell.records:
         out["records"] = [attrs.asdict(r) for r in result.records]
     return out
