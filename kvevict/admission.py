@@ -4,7 +4,9 @@ The manager (and the scheduler) consult an `Admission` before a request evicts a
 the pool is full of state worth more than what the new request would produce, the request
 waits instead (``../seeds``: "spare queue capacity so a batch job can't starve an interactive
 user"). Implementations bound the wait so nothing starves. The default, `AlwaysAdmit`, never
-defers: the behaviour of vLLM and SGLang.
+defers: the behaviour of vLLM and SGLang. The simulator names its admissions
+(``kvevict simulate --admission``, `kvevict.study.Study.admission`):
+`kvevict.policies.market.admission.ADMISSIONS`.
 """
 
 from __future__ import annotations

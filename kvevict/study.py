@@ -30,6 +30,7 @@ import attrs
 from kvevict.cost import CostModel
 from kvevict.errors import ConfigError
 from kvevict.layout import KVLayout
+from kvevict.policies.market.admission import admission_for, check_admission
 from kvevict.scheduler import SchedulerConfig
 from kvevict.types import Request
 
@@ -125,6 +126,12 @@ class Study:
     config: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     #: modules that register policies (``--policy-module``), imported by every worker
     policy_modules: tuple[str, ...] = ()
+    #: admission control by name (`kvevict.policies.market.admission.admission_for`):
+    #: ``"always"``, or ``"market"``, which defers in the cells of a policy that quotes prices
+    #: (``market``); each cell's summary then records the admission it ran with
+    #: (``"admission"``)
+    admission: str = attrs.field(default="always",
+                                 validator=lambda _study, _attribute, v: check_admission(v))
 
 
 #: what a cell runs: the timed simulation, or the exact untimed replay (`kvevict.replay`)
@@ -185,12 +192,15 @@ def run_cell(study: Study, cell: Cell) -> dict[str, Any]:
     requests = study_requests(study, cell.seed)
     if cell.mode == "replay":
         return _replay_cell(study, cell, requests)
-    result = simulate(requests, cell.policy,
+    policy, admission = admission_for(study.admission, cell.policy)
+    result = simulate(requests, policy, admission=admission,
                       capacity_blocks=cell.capacity_blocks, layout=study.layout,
                       block_size=study.block_size, cost=study.cost, config=study.config,
                       records=cell.records)
     out = result.summary()
     out["seed"] = cell.seed
+    if study.admission != "always":  # which cells deferred: the market's, not LRU's
+        out["policy"], out["admission"] = cell.policy, "always" if admission is None else "market"
     if cell.records:
         out["records"] = [attrs.asdict(r) for r in result.records]  # type: ignore[union-attr]
     if cell.ttfts:

@@ -63,6 +63,7 @@ def _cpus() -> int:
 def add_parser(sub: Any) -> None:
     """The ``simulate`` subcommand's options."""
     from kvevict.box import GPU_PROFILES
+    from kvevict.policies.market.admission import ADMISSIONS, DEFAULT_MAX_WAIT
 
     sim = sub.add_parser("simulate", help="compare eviction policies on a workload or trace")
     src = sim.add_mutually_exclusive_group()
@@ -77,6 +78,13 @@ def add_parser(sub: Any) -> None:
     sim.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                      help="comma-separated policy names (default: %(default)s)")
     policy_module_arg(sim)
+    sim.add_argument("--admission", choices=ADMISSIONS, default="always",
+                     help="admission control: always (a request evicts whatever the policy "
+                          "picks, as vLLM and SGLang do) or market (in the market policy's "
+                          "cells, a batch or single-shot request waits, at most "
+                          f"{DEFAULT_MAX_WAIT:g} s, while the blocks it would evict are priced "
+                          "above what it is worth; chat, agent and rag never wait) "
+                          "(default %(default)s)")
     model = sim.add_mutually_exclusive_group()
     model.add_argument("--model", default="llama-3-8b",
                        help=f"model preset: {', '.join(PRESETS)} (default %(default)s)")
@@ -204,6 +212,29 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError("--ray-address names the cluster for --ray; add --ray")
 
 
+def _admission(name: str, policies: list[str]) -> str:
+    """What ``--admission name`` does to these policies' cells, in words; `ConfigError` when
+    ``market`` is asked for and no policy quotes the prices it compares
+    (`kvevict.policies.market.admission.admission_for`)."""
+    from kvevict.policies.market.admission import DEFAULT_MAX_WAIT, quotes_prices
+
+    if name == "always":
+        return "always (every request evicts what the policy picks; vLLM's and SGLang's behaviour)"
+    priced = [p for p in policies if quotes_prices(p)]
+    if not priced:
+        raise ConfigError(f"--admission {name} defers with the market policy's prices, and no "
+                          f"policy in --policies quotes them ({', '.join(policies)}); add "
+                          "market to --policies, or use --admission always")
+    others = [p for p in policies if p not in priced]
+    text = (f"{name} in the cells of {', '.join(priced)} (a deferrable class's request waits, "
+            f"at most {DEFAULT_MAX_WAIT:g} s, while the blocks it would evict are priced above "
+            "what it is worth)")
+    if others:
+        verbs = ("quotes", "admits") if len(others) == 1 else ("quote", "admit")
+        text += f"; {', '.join(others)} {verbs[0]} no prices and {verbs[1]} always"
+    return text
+
+
 def _box(args: argparse.Namespace) -> Any:
     from kvevict.box import Box, GpuProfile, gpu_profile
 
@@ -238,6 +269,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     if "lru" not in policies:  # the baseline every decision is measured against
         policies = ["lru", *policies]
         say("note: lru added to --policies: the decision compares every policy with it")
+    admission = _admission(args.admission, policies)
     layout = _layout(args)
     source, workload, trace_block_size = _source(args)
     block_size = trace_block_size or args.block_size or 16
@@ -296,7 +328,8 @@ def simulate_command(args: argparse.Namespace) -> int:
         import attrs
 
         source = attrs.evolve(source, rate_scale=rate_scale)
-    study = Study(source, layout, block_size, cost, config, tuple(args.policy_module))
+    study = Study(source, layout, block_size, cost, config, tuple(args.policy_module),
+                  admission=args.admission)
     load = offered_load(study_requests(study, seeds[0]), cost, block_size,
                         max_batch=config.max_num_seqs)
     load_info = {**load.to_dict(), "rho": load.rho, "stable": load.stable,
@@ -338,6 +371,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     unstable_message = instability_message(load)
     if unstable_message:
         print(f"warning: {unstable_message}; no decision is made on latencies")
+    print(f"admission: {admission}")
 
     # at the decided size: every request's TTFT for the CDF (every seed, with its band), and
     # the full records only with --records (a dict per request: memory in proportion to it)
@@ -391,7 +425,7 @@ def simulate_command(args: argparse.Namespace) -> int:
                     "gpu_memory_utilization": box.gpu_memory_utilization,
                     "kv_capacity": kv.to_dict(block_size) if kv is not None else None},
             "capacity_blocks": capacity, "oversubscribed": oversubscribed,
-            "load": load_info, "cost_model": cost.to_dict(),
+            "load": load_info, "cost_model": cost.to_dict(), "admission": args.admission,
             "scheduler": {"max_num_batched_tokens": config.max_num_batched_tokens,
                           "max_num_seqs": config.max_num_seqs,
                           "preemption": config.preemption},

@@ -1,5 +1,7 @@
 """`MarketAdmission`: defer a low-value request while the blocks it would evict are worth
-more than it is (the market's prices, seen by admission)."""
+more than it is (the market's prices, seen by admission); and admission control by name
+(`ADMISSIONS`, `admission_for`), as ``kvevict simulate --admission`` and `kvevict.study.Study`
+take it."""
 
 from __future__ import annotations
 
@@ -13,10 +15,20 @@ from kvevict.policies.market.policy import Market
 from kvevict.policies.market.price import is_number
 from kvevict.types import Request
 
+#: Admission control by name: ``"always"`` never defers (`kvevict.admission.AlwaysAdmit`, the
+#: behaviour of vLLM and SGLang); ``"market"`` is `MarketAdmission` with its defaults, quoting
+#: the prices of the run's own `Market` (`admission_for`).
+ADMISSIONS = ("always", "market")
+#: `MarketAdmission`'s default bound on a request's total wait, in seconds: a policy choice
+#: (no source measures it), short next to the minutes a batch job takes and long next to the
+#: seconds an agent's tool call keeps its state hot (`ClassParams.mean_reuse_s` 6.2 s)
+DEFAULT_MAX_WAIT = 30.0
+
 if TYPE_CHECKING:
     from kvevict.manager import KVCacheManager
 
-__all__ = ["MarketAdmission"]
+__all__ = ["ADMISSIONS", "DEFAULT_MAX_WAIT", "MarketAdmission", "admission_for", "check_admission",
+           "quotes_prices"]
 
 
 class MarketAdmission(Admission):
@@ -44,7 +56,7 @@ class MarketAdmission(Admission):
         retry_interval: suggested seconds between retries.
     """
 
-    def __init__(self, market: Market, *, max_wait: float = 30.0,
+    def __init__(self, market: Market, *, max_wait: float = DEFAULT_MAX_WAIT,
                  weights: Mapping[str, float] | None = None,
                  deferrable: Iterable[str] | None = None, retry_interval: float = 1.0) -> None:
         if not isinstance(market, Market):
@@ -130,3 +142,43 @@ class MarketAdmission(Admission):
 
     def __repr__(self) -> str:
         return f"MarketAdmission(max_wait={self.max_wait}, market={self.market!r})"
+
+
+def check_admission(name: Any) -> str:
+    """``name`` if it is one of `ADMISSIONS`, else a `ConfigError` naming the valid ones."""
+    if name not in ADMISSIONS:
+        raise ConfigError(f"unknown admission {name!r}; valid admissions: {', '.join(ADMISSIONS)}")
+    return name
+
+
+def quotes_prices(policy: str) -> bool:
+    """Whether the policy registered as ``policy`` is a `Market` (or a subclass), the only
+    policies that quote the prices `MarketAdmission` compares (an unknown name is a
+    `ConfigError` listing the valid ones)."""
+    from kvevict.policies.registry import POLICIES
+
+    return issubclass(POLICIES.get(policy), Market)
+
+
+def admission_for(admission: str, policy: str) -> tuple[str | Market, Admission | None]:
+    """What a run of the policy named ``policy`` evicts with and asks before it evicts, under
+    the admission named ``admission`` (one of `ADMISSIONS`): ``(policy, admission)``, to pass
+    to `kvevict.sim.simulate` as its policy and ``admission=``.
+
+    - ``"always"``: ``(policy, None)``: the name, built by the run as usual, and the manager's
+      default `kvevict.admission.AlwaysAdmit`.
+    - ``"market"``, for a policy that `quotes_prices`: a fresh instance, built by name as the
+      run would build it (so it evicts exactly as it does without admission control), and a
+      `MarketAdmission` with its defaults quoting that same instance's prices.
+    - ``"market"``, for any other policy: ``(policy, None)``. It quotes no prices, so nothing
+      can be compared with what a request is worth: it admits always, and the caller says so
+      (`kvevict.study.run_cell` records the admission each cell ran with).
+    """
+    check_admission(admission)
+    if admission == "always" or not quotes_prices(policy):
+        return policy, None
+    from kvevict.policies.registry import build_policy
+
+    market = build_policy(policy)
+    assert isinstance(market, Market)  # quotes_prices: its registered class is a Market
+    return market, MarketAdmission(market)
