@@ -63,7 +63,7 @@ from typing import Any
 from kvevict.cost import CostModel
 from kvevict.errors import ConfigError
 from kvevict.policies.base import Policy, register_policy
-from kvevict.policies.market.price import CostBuckets, is_number
+from kvevict.policies.market.price import CostBuckets, check_learning, checked_cost_model
 from kvevict.types import BlockInfo, Request
 
 __all__ = ["ConversationTracker", "LearnedReuse", "ReuseTable"]
@@ -251,20 +251,8 @@ class LearnedReuse(Policy):
     def __init__(self, cost_model: CostModel | None = None, *, block_size: int | None = None,
                  prior_weight: float = 8.0, memory: float = 1000.0,
                  max_conversations: int = 100_000) -> None:
-        if cost_model is None:
-            cost_model = CostModel()
-        if not isinstance(cost_model, CostModel):
-            raise ConfigError(f"cost_model must be a CostModel or None, got "
-                              f"{type(cost_model).__name__}")
-        if block_size is not None and (isinstance(block_size, bool)
-                                       or not isinstance(block_size, int) or block_size < 1):
-            raise ConfigError(f"block_size must be a positive int or None, got {block_size!r}")
-        if not is_number(prior_weight) or not (0 < prior_weight < math.inf):
-            raise ConfigError(f"prior_weight must be a positive finite number, "
-                              f"got {prior_weight!r}")
-        if not is_number(memory) or not (1 < memory <= math.inf):
-            raise ConfigError(f"memory must be a number > 1 (observations; inf: never forget), "
-                              f"got {memory!r}")
+        cost_model = checked_cost_model(cost_model, block_size)
+        check_learning(prior_weight, memory)
         self.cost_model = cost_model
         self.block_size = block_size
         self.prior_weight = float(prior_weight)

@@ -32,6 +32,8 @@ from kvevict.policies.market.price import (
     CostBuckets,
     Quote,
     ReuseModel,
+    check_learning,
+    checked_cost_model,
     is_number,
     union_log_p,
 )
@@ -68,25 +70,13 @@ class Market(Policy):
                  default_class: str = "chat", learn: bool = True, prior_weight: float = 8.0,
                  memory: float = 1000.0, cost_resolution: int = 8,
                  max_sessions: int = 100_000, max_sharers: int = 64) -> None:
-        if cost_model is None:
-            cost_model = CostModel()
-        if not isinstance(cost_model, CostModel):
-            raise ConfigError(f"cost_model must be a CostModel or None, got "
-                              f"{type(cost_model).__name__}")
-        if block_size is not None and (isinstance(block_size, bool)
-                                       or not isinstance(block_size, int) or block_size < 1):
-            raise ConfigError(f"block_size must be a positive int or None, got {block_size!r}")
+        cost_model = checked_cost_model(cost_model, block_size)
         if not is_number(horizon) or not (0 < horizon < math.inf):
             raise ConfigError(f"horizon must be a positive finite number of seconds, "
                               f"got {horizon!r}")
         if not isinstance(learn, bool):
             raise ConfigError(f"learn must be True or False, got {learn!r}")
-        if not is_number(prior_weight) or not (0 < prior_weight < math.inf):
-            raise ConfigError(f"prior_weight must be a positive finite number, "
-                              f"got {prior_weight!r}")
-        if not is_number(memory) or not (1 < memory <= math.inf):
-            raise ConfigError(f"memory must be a number > 1 (observations; inf: never forget), "
-                              f"got {memory!r}")
+        check_learning(prior_weight, memory)
         for name, value, low in (("cost_resolution", cost_resolution, 1),
                                  ("max_sessions", max_sessions, 1),
                                  ("max_sharers", max_sharers, 1)):

@@ -32,6 +32,8 @@ __all__ = [
     "CostBuckets",
     "Quote",
     "ReuseModel",
+    "check_learning",
+    "checked_cost_model",
     "is_number",
     "softplus",
     "turn_bucket",
@@ -51,6 +53,32 @@ def turn_bucket(turns: int) -> int:
 def is_number(value: Any) -> bool:
     """A real number (int or float, not bool, not NaN)."""
     return not isinstance(value, bool) and isinstance(value, (int, float)) and value == value
+
+
+def checked_cost_model(cost_model: Any, block_size: Any) -> CostModel:
+    """``cost_model`` (a `CostModel`, or None for the default) once it and ``block_size`` (a
+    positive int or None) are checked: the two arguments every priced policy takes."""
+    if cost_model is None:
+        cost_model = CostModel()
+    if not isinstance(cost_model, CostModel):
+        raise ConfigError(f"cost_model must be a CostModel or None, got "
+                          f"{type(cost_model).__name__}")
+    if block_size is not None and (isinstance(block_size, bool)
+                                   or not isinstance(block_size, int) or block_size < 1):
+        raise ConfigError(f"block_size must be a positive int or None, got {block_size!r}")
+    return cost_model
+
+
+def check_learning(prior_weight: Any, memory: Any) -> None:
+    """The two arguments of a learned estimate: ``prior_weight`` (pseudo-observations, a
+    positive finite number) and ``memory`` (observations after which old ones weigh 1/e:
+    a number > 1, or inf)."""
+    if not is_number(prior_weight) or not (0 < prior_weight < math.inf):
+        raise ConfigError(f"prior_weight must be a positive finite number, "
+                          f"got {prior_weight!r}")
+    if not is_number(memory) or not (1 < memory <= math.inf):
+        raise ConfigError(f"memory must be a number > 1 (observations; inf: never forget), "
+                          f"got {memory!r}")
 
 
 def _p_tuple(value: Any) -> tuple[float, ...]:
