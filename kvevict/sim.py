@@ -94,7 +94,7 @@ def simulate(requests: Iterable[Request], policy: str | Policy = "lru", *,
         if capacity_blocks < 1:
             raise ConfigError(f"{cache_bytes} bytes hold no block of {block_size} tokens of "
                               f"{layout.name or 'this model'}")
-    offline = isinstance(policy, str) and not policy_params and is_offline(policy)
+    offline = isinstance(policy, str) and is_offline(policy)
     ordered: Iterable[Request]
     if isinstance(requests, SequenceABC):
         if not requests:

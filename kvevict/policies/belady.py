@@ -60,7 +60,8 @@ from kvevict.hashing import block_hashes
 from kvevict.policies.base import ScoredPolicy, register_policy
 from kvevict.types import BlockInfo, Request
 
-__all__ = ["NEVER", "Belady", "FileBelady", "NextUseFile", "NextUseReader", "future_of",
+__all__ = ["NEVER", "Belady", "FileBelady", "NextUseFile", "NextUseReader", "ReaderBacked",
+           "future_of",
            "request_times"]
 
 _TIME_MODES = ("index", "arrival")
@@ -691,7 +692,29 @@ class NextUseReader:
             window.close()
 
 
-class FileBelady(ScoredPolicy):
+class ReaderBacked:
+    """Mixin of the file-backed oracles (`FileBelady`, the oracles' file forms): each keeps a
+    `NextUseReader` as ``reader`` and forgets a block's next use when it is evicted. Put it
+    first among the bases, so that its ``on_evict`` and ``pop_victim`` wrap the policy's."""
+
+    reader: NextUseReader
+
+    def on_evict(self, block: BlockInfo, now: float) -> None:
+        super().on_evict(block, now)  # type: ignore[misc]
+        self.reader.forget(block.block_id)
+
+    def pop_victim(self, now: float) -> int | None:
+        chosen = super().pop_victim(now)  # type: ignore[misc]
+        if chosen is not None:
+            self.reader.forget(chosen)
+        return chosen
+
+    def close(self) -> None:
+        """Unmap the windows."""
+        self.reader.close()
+
+
+class FileBelady(ReaderBacked, ScoredPolicy):
     """`Belady` with its future read from a `NextUseFile`: the same victims, for a trace of
     any length.
 
@@ -729,19 +752,6 @@ class FileBelady(ScoredPolicy):
         use = self.reader.next_use(block.block_id, "FileBelady")
         return -math.inf if use < 0 else -float(use)
 
-    def on_evict(self, block: BlockInfo, now: float) -> None:
-        super().on_evict(block, now)
-        self.reader.forget(block.block_id)
-
-    def pop_victim(self, now: float) -> int | None:
-        chosen = super().pop_victim(now)
-        if chosen is not None:
-            self.reader.forget(chosen)
-        return chosen
-
-    def close(self) -> None:
-        """Unmap the windows."""
-        self.reader.close()
 
     def __repr__(self) -> str:
         return f"FileBelady({self.future!r}, capacity_blocks={self.capacity_blocks})"

@@ -61,7 +61,7 @@ import numpy as np
 
 from kvevict.errors import ConfigError
 from kvevict.policies.base import Policy, register_policy
-from kvevict.policies.belady import Belady, NextUseFile, NextUseReader, future_of
+from kvevict.policies.belady import Belady, NextUseFile, NextUseReader, ReaderBacked, future_of
 from kvevict.policies.lru import LRU
 from kvevict.types import BlockInfo, Request
 
@@ -285,7 +285,7 @@ class ReuseOracle(HorizonOracle):
         return f"ReuseOracle(blocks_known={self.num_blocks_known})"
 
 
-class FileHorizonOracle(TwoClassOracle):
+class FileHorizonOracle(ReaderBacked, TwoClassOracle):
     """`HorizonOracle` with its future read from a `NextUseFile`: the same victims, for a
     trace of any length.
 
@@ -355,19 +355,9 @@ class FileHorizonOracle(TwoClassOracle):
         self._count, self._last = count, last
         return float(count - 1)
 
-    def on_evict(self, block: BlockInfo, now: float) -> None:
-        super().on_evict(block, now)
-        self.reader.forget(block.block_id)
-
-    def pop_victim(self, now: float) -> int | None:
-        chosen = super().pop_victim(now)
-        if chosen is not None:
-            self.reader.forget(chosen)
-        return chosen
-
     def close(self) -> None:
         """Unmap the windows."""
-        self.reader.close()
+        super().close()
         if self._arrivals is not None:
             self._arrivals.close()
 
