@@ -275,8 +275,6 @@ class LearnedReuse(Policy):
         self._since_rebuild = 0  # evictions since the heap was last rebuilt
         self._blocks: dict[int, BlockInfo] = {}  # every candidate, priced or not
         self._sampled = 0  # block uses since the last one that opened a trial
-        self._log_cost: dict[int, float] = {}  # depth -> log cost per byte, at _nbytes
-        self._nbytes = -1
 
     def bind(self, block_size: int) -> None:
         super().bind(block_size)
@@ -311,30 +309,10 @@ class LearnedReuse(Policy):
 
     def _key(self, block: BlockInfo) -> tuple[float, int, int]:
         """The heap entry of ``block``: (log price up to a shared term, tick, block id)."""
-        block_id = block.block_id
-        cell = self._state.get(block_id)
-        if cell is None:
-            cell = self._cell(block, 0, 1)
-        log_cost = self._log_cost.get(block.depth)
-        if log_cost is None or block.nbytes != self._nbytes:
-            log_cost = self._cost_of(block)
-        table = self.table
-        ts, tf = table.total_succ, table.total_fail
-        w = table.prior_weight
-        s = table.succ.get(cell, 0.0)
-        p = (w * ts / (ts + tf) + s) / (w + s + table.fail.get(cell, 0.0))
-        return (math.log(p) + log_cost + (block.last_access - self._t0) / self._key_horizon,
-                block.last_access_tick, block_id)
-
-    def _cost_of(self, block: BlockInfo) -> float:
-        """log(recompute seconds / bytes) of ``block`` (quantized), cached by depth for the
-        pool's block size in bytes."""
         log_cost = self.costs.of(block)[0]  # type: ignore[union-attr]
-        if self._nbytes != block.nbytes:
-            self._log_cost.clear()
-            self._nbytes = block.nbytes
-        self._log_cost[block.depth] = log_cost
-        return log_cost
+        return (math.log(self.table.p(self.cell(block))) + log_cost
+                + (block.last_access - self._t0) / self._key_horizon,
+                block.last_access_tick, block.block_id)
 
     def _push(self, block: BlockInfo) -> None:
         key = self._key(block)
@@ -429,11 +407,13 @@ class LearnedReuse(Policy):
         if self._blocks.pop(block_id, None) is not None:
             if self._pending.pop(block_id, None) is None:
                 self._keys.pop(block_id, None)
-        self._state.pop(block_id, None)
-        self.conversations.forget(block_id)
-        self._learn_horizon(block, now)
+        self._evicted_block(block, now)
 
-    def _learn_horizon(self, block: BlockInfo, now: float) -> None:
+    def _evicted_block(self, block: BlockInfo, now: float) -> None:
+        """Forget an evicted block's features and conversation, and learn the horizon from
+        its idle time (the moving mean of evicted idle times)."""
+        self._state.pop(block.block_id, None)
+        self.conversations.forget(block.block_id)
         idle = max(now - block.last_access, 0.0)
         if self._evicted == 0:
             self.horizon = max(idle, 1e-6)
@@ -446,12 +426,8 @@ class LearnedReuse(Policy):
     def _top(self, now: float) -> tuple[float, int, int] | None:
         if self._since_rebuild >= REPRICE_EVERY * len(self._blocks):
             self._rebuild(now)
-        elif self._pending:  # `_price_pending`, inlined on this hot path
-            key, keys, heap = self._key, self._keys, self._heap
-            for block in self._pending.values():
-                k = keys[block.block_id] = key(block)
-                heapq.heappush(heap, k)
-            self._pending.clear()
+        else:
+            self._price_pending()
         heap, keys = self._heap, self._keys
         while heap:
             top = heap[0]
@@ -471,18 +447,7 @@ class LearnedReuse(Policy):
         heapq.heappop(self._heap)
         block_id = top[2]
         del self._keys[block_id]
-        block = self._blocks.pop(block_id)
-        self._state.pop(block_id, None)
-        self.conversations.owner.pop(block_id, None)
-        # the horizon's moving mean (`_learn_horizon`, inlined on this hot path)
-        idle = now - block.last_access
-        if self._evicted:
-            h = self.horizon + HORIZON_WEIGHT * (idle - self.horizon)
-            self.horizon = h if h > 1e-6 else 1e-6
-        else:
-            self.horizon = idle if idle > 1e-6 else 1e-6
-        self._evicted += 1
-        self._since_rebuild += 1
+        self._evicted_block(self._blocks.pop(block_id), now)
         return block_id
 
     def __repr__(self) -> str:
