@@ -464,3 +464,42 @@ def test_resume_reloads_what_was_demoted_while_preempted():
     assert seq.reloaded == (3,) and seq.num_cached_tokens == 12
     m.finish("a")
     m.check()
+
+
+# -- the replay with a host tier ------------------------------------------------------------
+
+
+def _trace():
+    # three sessions of 3 blocks each, then each again: a 4-block pool keeps one session
+    reqs = [Request(f"r{i}", block_hashes=tuple(range(10 * i, 10 * i + 3)), num_tokens=3 * BS)
+            for i in range(3)]
+    return reqs + [Request(f"s{i}", block_hashes=tuple(range(10 * i, 10 * i + 3)),
+                           num_tokens=3 * BS) for i in range(3)]
+
+
+def test_replay_with_a_host_tier_counts_hits_by_tier():
+    from kvevict.replay import format_tier_table, replay, replay_table
+
+    plain = replay(_trace(), "lru", 4, BS)
+    assert plain.hits == 0  # LRU at 4 blocks: each session is gone when it comes back
+    tiered = replay(_trace(), "lru", 4, BS, check_every=1,
+                    tiers=lambda: TierStack([Tier(8, name="host")], demote="always"))
+    assert tiered.hits == 9 and tiered.tiers["hits"] == {"device": 0, "host": 9}
+    assert tiered.tier_hit_ratios == {"device": 0.0, "host": 0.5}
+    assert tiered.tiers["demotions"] == {"host": 14}
+    table = replay_table(_trace(), ["lru"], [4], BS,
+                         tiers=lambda: TierStack([Tier(8, name="host")], demote="always"))
+    text = format_tier_table(table)
+    assert "| lru | 4 | 0.0000 | 0.5000 | 0.5000 |" in text
+    with pytest.raises(ConfigError, match="zero-argument factory"):
+        replay(_trace(), "lru", 4, BS, tiers=TierStack([Tier(8)]))
+
+
+def test_cli_replay_host_blocks(capsys):
+    from kvevict.cli import main
+
+    assert main(["replay", "--policies", "lru", "--sizes", "200", "--host-blocks", "800",
+                 "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "with a host tier of 800 blocks (lru, host-pcie5)" in out
+    assert "| policy | pool blocks | hit device | hit host | hit total |" in out
