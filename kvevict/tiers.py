@@ -21,9 +21,9 @@ faster than recomputing it, and is dropped otherwise, or when there is no tier `
     reload_seconds(k + 1) = sum over the hops up to the device of (latency + nbytes / read_bw)
     recompute_seconds     = CostModel.recompute_seconds(depth, block_size)
 
-This is the rule of InferCept (Abhyankar et al., ICML'24, section 4: per intercepted request,
+This is the rule of InferCept (Abhyankar et al., ICML'24: per intercepted request,
 swap when the transfer costs less than the recomputation, which grows with the context) and
-of CachedAttention (Gao et al., USENIX ATC'24, section 3: saving to host and disk happens
+of CachedAttention (Gao et al., USENIX ATC'24: saving to host and disk happens
 asynchronously and off the critical path, so only the reload is charged). Recomputation grows
 with depth and a reload does not, so shallow blocks are dropped and deep ones kept. A block
 whose descendants live in lower tiers is demoted regardless of its own cost (dropping it
