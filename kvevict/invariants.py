@@ -152,6 +152,73 @@ def _check_pins(manager: KVCacheManager) -> None:
             _fail(f"policy tracks {size()} candidates, expected {offered}")
 
 
+def _check_tiers(manager: KVCacheManager) -> None:
+    stack, tree = manager.tiers, manager.tree
+    if stack is None:
+        return
+    index = {t.name: t.index for t in stack.tiers}
+    total = 0
+    for tier in stack.tiers:
+        records, free = tier.records, tier.free_slots()
+        name = tier.name
+        if len(set(free)) != len(free) or any(s in records for s in free):
+            _fail(f"tier {name!r}: a slot is free twice or both free and used")
+        if len(records) + len(free) != tier.capacity_blocks:
+            _fail(f"tier {name!r}: {len(records)} blocks + {len(free)} free slots != "
+                  f"{tier.capacity_blocks}")
+        if tier.held:
+            _fail(f"tier {name!r}: blocks {sorted(tier.held)} are still held for a reload")
+        children: dict[int, int] = {}
+        for slot, block in records.items():
+            if block.block_id != slot or block.tier != name:
+                _fail(f"tier {name!r} slot {slot}: its record says block {block.block_id} "
+                      f"in tier {block.tier!r}")
+            if stack.get(block.block_hash) is not block:
+                _fail(f"tier {name!r} slot {slot}: not the stack's block for its hash")
+            if tree.get(block.block_hash) is not None:
+                _fail(f"tier {name!r} slot {slot}: its hash is also cached in the pool")
+            if block.ref_count:
+                _fail(f"tier {name!r} slot {slot}: ref count {block.ref_count} below the pool")
+            parent = block.parent
+            if block.depth == 0:
+                if parent is not None:
+                    _fail(f"tier {name!r} slot {slot}: depth 0 with a parent record")
+                continue
+            if parent is None or parent.block_hash != block.parent_hash or \
+                    parent.depth != block.depth - 1:
+                _fail(f"tier {name!r} slot {slot}: its parent record is not its parent")
+            if tree.get(block.parent_hash) is parent:
+                continue
+            if stack.get(block.parent_hash) is not parent:
+                _fail(f"prefix closure: tier {name!r} slot {slot}'s parent is in no tier")
+            if index[parent.tier] > tier.index:
+                _fail(f"prefix closure: tier {name!r} slot {slot}'s parent is in the lower "
+                      f"tier {parent.tier!r}")
+            if parent.tier == name:
+                children[parent.block_id] = children.get(parent.block_id, 0) + 1
+            if block not in stack.children_below(block.parent_hash):
+                _fail(f"tier {name!r} slot {slot}: missing from its parent's children")
+        expected = set()
+        for slot, block in records.items():
+            if block.num_children != children.get(slot, 0):
+                _fail(f"tier {name!r} slot {slot}: child count {block.num_children} != "
+                      f"{children.get(slot, 0)}")
+            if not block.num_children:
+                expected.add(slot)
+        if set(tier.candidates) != expected:
+            _fail(f"tier {name!r}: candidate set != its leaves")
+        size = getattr(tier.policy, "__len__", None)
+        if size is not None and size() != len(expected):
+            _fail(f"tier {name!r}: policy tracks {size()} candidates, expected "
+                  f"{len(expected)}")
+        total += len(records)
+    if len(stack) != total:
+        _fail(f"the tier stack indexes {len(stack)} blocks but its tiers hold {total}")
+    for block in tree:
+        if block.tier != "device":
+            _fail(f"pool block {block.block_id} says it is in tier {block.tier!r}")
+
+
 def check_manager(manager: KVCacheManager) -> None:
     """Verify every invariant of ``manager``; raise `InvariantError` naming the first one
     broken."""
@@ -159,3 +226,4 @@ def check_manager(manager: KVCacheManager) -> None:
     _check_pool(manager, refs)
     _check_tree(manager, refs)
     _check_pins(manager)
+    _check_tiers(manager)

@@ -57,6 +57,7 @@ from kvevict.pins import Pins
 from kvevict.policies.base import Policy, make_policy
 from kvevict.pool import BlockPool
 from kvevict.prefix import PrefixTree
+from kvevict.tiers import TierStack
 from kvevict.types import BlockInfo, ManualClock, Request, as_token_array
 
 __all__ = ["CacheStats", "InvariantError", "KVCacheManager", "LookupResult", "Sequence"]
@@ -121,7 +122,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "block_table", "cached_blocks", "hashes", "token_ids",
                  "num_tokens", "num_cached_tokens", "num_hit_slots", "prompt_slots",
-                 "num_generated", "status")
+                 "num_generated", "status", "reloaded")
 
     def __init__(self, request: Request, hashes: Any, prompt_slots: int) -> None:
         self.seq_id = request.request_id
@@ -144,6 +145,9 @@ class Sequence:
         self.prompt_slots = prompt_slots
         self.num_generated = 0
         self.status = "running"
+        #: blocks the last begin / resume reloaded from each lower tier (tier 1 first);
+        #: () when none was (see `kvevict.tiers`)
+        self.reloaded: tuple[int, ...] = ()
 
     @property
     def session_id(self) -> Any:
@@ -208,13 +212,25 @@ class KVCacheManager:
         extra_key: mixed into every block hash (model / adapter id): caches with different
             keys never share blocks.
         admission: consulted before a request evicts anything (default: `AlwaysAdmit`).
+        tiers: memory tiers below the pool (`kvevict.tiers.TierStack`): an evicted block is
+            demoted there (or dropped), a hit there is reloaded. A policy given by name that
+            takes a ``cost_model`` prices blocks with the stack's reload costs.
     """
 
     def __init__(self, pool: BlockPool, policy: Policy | str = "lru", *,
                  clock: Callable[[], float] | None = None, extra_key: Any = None,
-                 admission: Admission | None = None, **policy_params: Any) -> None:
+                 admission: Admission | None = None, tiers: TierStack | None = None,
+                 **policy_params: Any) -> None:
         if not isinstance(pool, BlockPool):
             raise ConfigError(f"pool must be a BlockPool, got {type(pool).__name__}")
+        if tiers is not None:
+            if not isinstance(tiers, TierStack):
+                raise ConfigError(f"tiers must be a TierStack, got {type(tiers).__name__}")
+            tiers.bind(pool)
+            policy_params = tiers.policy_params(policy, policy_params)
+        #: the tiers below the pool, or None
+        self.tiers = tiers
+        self._demote = None if tiers is None else tiers.demote
         self.pool = pool
         self.block_size = pool.block_size
         self.policy = make_policy(policy, **policy_params)
@@ -413,14 +429,17 @@ class KVCacheManager:
         hashes = seq.hashes
         hit, unreferenced = self.tree.match(hashes, seq.seq_id)
         num_hit = len(hit)  # ``hit`` becomes the sequence's list of cached blocks and grows
+        lower = () if self.tiers is None else self._take_lower(seq, hashes, num_hit)
+        num_lower = len(lower)  # the chain's continuation in lower tiers, held for a reload
         known = seq.num_known
-        hit_tokens = min(num_hit * bs, known)
+        hit_tokens = min((num_hit + num_lower) * bs, known)
         target = known if max_new_tokens is None else min(known, hit_tokens + max_new_tokens)
         need = -(-target // bs) - num_hit
         pool = self.pool
         evictable = self.tree.num_evictable - unreferenced
         available = pool.num_free + evictable
         if need > available:
+            self._restore_lower(lower)
             raise OutOfBlocks(
                 f"request {seq.seq_id!r} needs {need} new blocks but only {available} can be "
                 f"freed ({pool.num_free} free, {evictable} evictable cached); the rest is in "
@@ -428,7 +447,11 @@ class KVCacheManager:
                 needed=need, available=available,
             )
         now = self._now()
-        seq.block_table = self._acquire(hit, now)  # hold the hits so eviction cannot take them
+        try:
+            seq.block_table = self._acquire(hit, now)  # hold the hits: eviction cannot take them
+        except BaseException:
+            self._restore_lower(lower)
+            raise
         seq.cached_blocks = hit
         seq.num_tokens = hit_tokens
         self._created = []
@@ -444,6 +467,10 @@ class KVCacheManager:
                         retry_after=decision.retry_after,
                     )
                 self._evict(evictions, now)
+            if num_lower:
+                self._reload(seq, lower, now)  # ``hit`` (the cached blocks) grows by them
+                lower = ()
+                num_hit += num_lower
             self._note_hits(hit, seq.request, now)
             self._allocate_to(seq, target, now, "prefill")
             if self._on_admitted is not None:
@@ -457,6 +484,7 @@ class KVCacheManager:
         except BaseException:
             # undo: uncache what this call cached, release what the sequence holds (the hits
             # become candidates again); evictions done stay done
+            self._restore_lower(lower)
             self._uncache_created(seq, now)
             self.stats.allocated_blocks = allocated
             self._release(seq, now, touch=False)
@@ -470,6 +498,33 @@ class KVCacheManager:
         stats.prefix_cache_hits += min(seq.num_cached_tokens, query_tokens)
         stats.block_queries += len(hashes)
         stats.block_hits += num_hit
+
+    def _take_lower(self, seq: Sequence, hashes: Any, num_hit: int) -> list[BlockInfo]:
+        """Hold the lower tiers' continuation of ``seq``'s hit for a reload."""
+        seq.reloaded = ()
+        return self.tiers.take(hashes, num_hit, self._now())  # type: ignore[union-attr]
+
+    def _restore_lower(self, lower: Any) -> None:
+        if lower:
+            self.tiers.restore(lower, self._last_now)  # type: ignore[union-attr]
+
+    def _reload(self, seq: Sequence, lower: list[BlockInfo], now: float) -> None:
+        """Copy the held lower-tier blocks into pool blocks (the caller evicted enough) and
+        cache them there, as ``seq``'s next cached blocks: a reload, not a recompute."""
+        tiers = self.tiers
+        counts = [0] * len(tiers.tiers)  # type: ignore[union-attr]
+        for block in lower:
+            counts[tiers.tier_index(block) - 1] += 1  # type: ignore[union-attr]
+        ids = self.pool.take(len(lower))
+        self.stats.allocated_blocks += len(ids)
+        tiers.load(lower, ids, now)  # type: ignore[union-attr]
+        seq.block_table.extend(ids)
+        records = self._records
+        for block in lower:
+            block.ref_count = 1
+            records[block.block_id] = block
+        seq.reloaded = tuple(counts)
+        self._register(lower, seq, now)
 
     def _note_hits(self, hit: list[BlockInfo], request: Request, now: float) -> None:
         """Stamp each hit block's record, then tell the policy: ``on_hit`` per block, then
@@ -597,6 +652,8 @@ class KVCacheManager:
             return
         cached = seq.cached_blocks
         del cached[len(cached) - len(created):]  # they are the tail of the cached blocks
+        if self.tiers is not None:  # their descendants below cannot be reached any more
+            self.tiers.orphaned(created, now)
         for block in reversed(created):
             self.tree.discard(block)
             del self._records[block.block_id]
@@ -682,6 +739,8 @@ class KVCacheManager:
     def _register(self, run: list[BlockInfo], seq: Sequence, now: float) -> None:
         """Put a chain of new records in the tree, then tell the policy (``on_insert``)."""
         self.tree.insert_chain(run)
+        if self.tiers is not None:  # a lower tier's copy of a block computed again
+            self.tiers.superseded(run, now)
         seq.cached_blocks.extend(run)
         self._created.extend(run)
         self.stats.inserted_blocks += len(run)
@@ -830,6 +889,7 @@ class KVCacheManager:
         withheld, refused = self._withheld, self._refused
         listeners = self._eviction_listeners
         records = self._records
+        demote = self._demote
         by_class = self.stats.evictions_by_class
         freed: list[int] = []
         error = None
@@ -864,6 +924,8 @@ class KVCacheManager:
                 parent = evict_from_tree(block)
                 del records[block_id]
                 freed.append(block_id)
+                if demote is not None:  # to the tier below, or dropped (`kvevict.tiers`)
+                    demote(block, now)
                 cls = block.workload_class
                 by_class[cls] = by_class.get(cls, 0) + 1
                 if parent is not None:  # the parent became a leaf, hence a candidate
