@@ -965,8 +965,8 @@ def _tier_lines(tiers: Mapping[str, Any]) -> list[str]:
         f"{name}: reload {c['reload_s_per_block'] * 1e6:,.0f} us/block vs recompute "
         f"{c['recompute_s_at_depth_0'] * 1e6:,.0f} us at depth 0, worth it from depth "
         f"{c['crossover_depth']}" for name, c in cross.items())
-    lines = [f"tiers: {'; '.join(parts)}", f"demotion rule {tiers['demote']!r} by the "
-             f"calibrated cost model: {depth}"]
+    lines = [f"tiers: {'; '.join(parts)}", f"demotion rule {tiers['demote']!r}; the "
+             f"calibrated cost model and the measured links give: {depth}"]
     names = ["device"] + (["host"] if tiers["host_blocks"] else []) + (
         ["disk"] if tiers["disk_dir"] is not None else [])
     header = ["policy", *[f"{n} hits" for n in names], "reloads",
