@@ -218,15 +218,23 @@ class LinkFit:
 
 
 def _line(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``y = a + b x`` with ``a, b >= 0`` (a through-origin fit when the free
-    intercept comes out negative; a flat one when the slope does)."""
+    """``y = a + b x`` with ``a, b >= 0`` minimising the *relative* error (each point divided
+    by its measured value, as `kvevict.engine.calibrate` fits), so a one-block reload counts
+    as much as a 32-block one; the best of the free fit, the fit through the origin and the
+    flat one that keeps both coefficients >= 0."""
     x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
-    b, a = np.polyfit(x, y, 1)
-    if a < 0:
-        a, b = 0.0, float(x @ y / (x @ x))
-    if b <= 0:
-        a, b = float(y.mean()), 1e-12
-    return float(a), float(b)
+    w = 1.0 / np.maximum(y, 1e-12)
+    candidates = []
+    coef, *_ = np.linalg.lstsq(np.stack([w, w * x], axis=1), np.ones_like(y), rcond=None)
+    if coef[0] >= 0 and coef[1] > 0:
+        candidates.append((float(coef[0]), float(coef[1])))
+    candidates.append((0.0, float((w * x) @ np.ones_like(y) / ((w * x) @ (w * x)))))
+    candidates.append((float(w @ np.ones_like(y) / (w @ w)), 1e-12))
+
+    def miss(c: tuple[float, float]) -> float:
+        return float(np.sum(((c[0] + c[1] * x) * w - 1.0) ** 2))
+
+    return min(candidates, key=miss)
 
 
 def _blocks_for(n: int, block_size: int) -> list[BlockInfo]:
