@@ -13,6 +13,7 @@ block files) below the store's pool, and conversations that survive a restart.
 from __future__ import annotations
 
 import logging
+import runpy
 import shutil
 import subprocess
 import sys
@@ -236,3 +237,18 @@ def test_tier_options_are_checked(tmp_path):
     store = SessionStore(model, num_blocks=8)
     assert store.tiers is None and store.tier_stats is None
     assert store.hits_by_tier() == {"device": 0}
+
+
+def test_the_restart_example_resumes_from_disk(tmp_path, capfd):
+    example = runpy.run_path(str(TESTS.parent / "examples" / "hf_restart.py"))
+    diff = example["main"](tmp_path / "kv")  # turns 1-3 in a subprocess, turn 4 here
+    assert diff < 1e-5
+    assert capfd.readouterr().out.splitlines() == [
+        "process 1, turn 1: 21 prompt tokens, 0 reused",
+        "process 1, turn 2: 33 prompt tokens, 24 reused",
+        "process 1, turn 3: 48 prompt tokens, 32 reused",
+        "process 1: closed, 6 blocks on disk",
+        "process 2, turn 4: 59 prompt tokens, 48 reused (6 blocks from disk, 0 from memory)",
+        f"process 2: answer equals a fresh recompute: True; largest logit difference "
+        f"{diff:.1e}",
+    ]
