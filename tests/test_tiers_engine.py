@@ -338,8 +338,9 @@ def test_timed_stack_times_take_and_load(model, tmp_path):
     prefill(manager, model, "b", prompt(20, 4))
     manager.begin(Request("c", tokens=prompt(0, 2)), max_new_tokens=0)
     assert stack.reload_batches == 1
-    # every take (3 begins) and the one load: two readings of the 1-second fake clock each
-    assert stack.reload_seconds_measured == 4.0
+    # c's take (a's two blocks) and its load, one tick of the 1-second fake clock each; the
+    # takes of a and b found nothing below the pool: no reload, not counted
+    assert stack.reload_seconds_measured == 2.0
 
 
 # -- the CLI ------------------------------------------------------------------------------------

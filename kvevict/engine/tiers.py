@@ -69,10 +69,11 @@ GIB = 2**30
 class TimedTierStack(TierStack):
     """A `TierStack` that times its reloads with ``timer`` (default `time.perf_counter`).
 
-    ``reload_seconds_measured`` adds up the seconds of every `take` (holding the blocks;
-    reading and checking a disk block's file) and `load` (copying into the pool);
-    ``reload_batches`` counts the calls of `load` that moved a block. Everything else is
-    `TierStack`'s.
+    ``reload_seconds_measured`` adds up the seconds of every `take` that held a block
+    (matching the chain, reading and checking a disk block's file) and of every `load`
+    (copying into the pool); ``reload_batches`` counts the calls of `load` that moved a
+    block. A `take` that found nothing below the pool (most requests' lookups) is not a
+    reload and is not counted. Everything else is `TierStack`'s.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, timer: Callable[[], float] = time.perf_counter,
@@ -86,10 +87,10 @@ class TimedTierStack(TierStack):
 
     def take(self, hashes: Sequence[Any], start: int, now: float) -> list[BlockInfo]:
         t0 = self.timer()
-        try:
-            return super().take(hashes, start, now)
-        finally:
+        taken = super().take(hashes, start, now)
+        if taken:
             self.reload_seconds_measured += self.timer() - t0
+        return taken
 
     def load(self, blocks: Sequence[BlockInfo], block_ids: Sequence[int], now: float) -> None:
         t0 = self.timer()
