@@ -742,7 +742,7 @@ def _tier_summary(info: dict[str, Any], runs: Sequence[Mapping[str, Any]]) -> di
     for policy, found in by_policy.items():
         keep = ("hits_by_tier", "reloads", "bytes_read", "bytes_written", "demotions",
                 "drops", "checksum_failures", "reload_s_measured",
-                "reload_s_predicted_per_block")
+                "reload_s_predicted_per_block", "takes", "restored_takes")
         out["by_policy"][policy] = {k: _mean_of([t.get(k, {} if k in (
             "hits_by_tier", "bytes_read", "bytes_written", "demotions", "drops") else 0)
             for t in found]) for k in keep}
@@ -970,7 +970,8 @@ def _tier_lines(tiers: Mapping[str, Any]) -> list[str]:
     names = ["device"] + (["host"] if tiers["host_blocks"] else []) + (
         ["disk"] if tiers["disk_dir"] is not None else [])
     header = ["policy", *[f"{n} hits" for n in names], "reloads",
-              *[f"{n} MiB read/written" for n in names[1:]], "drops", "reload s", "priced s"]
+              *[f"{n} MiB read/written" for n in names[1:]], "drops", "takes (undone)",
+              "reload s", "priced s"]
     rows = []
     for policy, t in tiers["by_policy"].items():
         hits = t["hits_by_tier"] or {}
@@ -980,10 +981,13 @@ def _tier_lines(tiers: Mapping[str, Any]) -> list[str]:
                      *[f"{(t['bytes_read'] or {}).get(n, 0) / MIB:,.2f}/"
                        f"{(t['bytes_written'] or {}).get(n, 0) / MIB:,.2f}" for n in names[1:]],
                      ", ".join(f"{k} {v:,.1f}" for k, v in sorted(drops.items())) or "0",
+                     f"{t['takes']:,.1f} ({t['restored_takes']:,.1f})",
                      f"{t['reload_s_measured']:.4f}", f"{t['reload_s_predicted_per_block']:.4f}"])
     lines += ["blocks served by each tier and bytes moved, means over each policy's runs "
-              "(the unbounded reference runs without tiers); reload s = measured seconds of "
-              "the reloads, priced s = the links' price of the same blocks one at a time",
+              "(the unbounded reference runs without tiers); takes = admissions that held "
+              "blocks below the pool (undone: the request could not be admitted and retried, "
+              "its disk blocks read again); reload s = measured seconds of the takes and "
+              "loads, priced s = the links' price of the reloaded blocks one at a time",
               *_table(header, rows)]
     return lines
 

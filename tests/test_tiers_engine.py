@@ -34,7 +34,7 @@ from kvevict.engine.tiers import (
     measure_link,
     measure_recompute,
 )
-from kvevict.errors import ConfigError
+from kvevict.errors import ConfigError, OutOfBlocks
 from kvevict.manager import KVCacheManager
 from kvevict.pool import BlockPool
 from kvevict.scheduler import SchedulerConfig
@@ -341,6 +341,7 @@ def test_timed_stack_times_take_and_load(model, tmp_path):
     # c's take (a's two blocks) and its load, one tick of the 1-second fake clock each; the
     # takes of a and b found nothing below the pool: no reload, not counted
     assert stack.reload_seconds_measured == 2.0
+    assert (stack.takes, stack.restored_takes) == (1, 0)
 
 
 # -- the CLI ------------------------------------------------------------------------------------
@@ -380,3 +381,18 @@ def test_engine_bench_tier_options_are_checked(capsys, tmp_path):
     (tmp_path / "f").write_text("x")
     rc = main([*base, "--disk-dir", str(tmp_path / "f")])
     assert rc == 2 and "exists and is not a directory" in capsys.readouterr().err
+
+
+def test_an_admission_that_fails_undoes_its_take(model):
+    layout = model.config.layout()
+    stack = engine_tiers(layout, BLOCK, host_bytes=8 * layout.bytes_per_block(BLOCK),
+                         demote="always")
+    manager = KVCacheManager(BlockPool(4, BLOCK, layout, device="cpu"), "lru",
+                             clock=ManualClock(), tiers=stack)
+    prefill(manager, model, "a", prompt(0, 2))
+    prefill(manager, model, "b", prompt(20, 4))
+    with pytest.raises(OutOfBlocks):  # a's 2 blocks below the pool, then 4 more: 6 > 4
+        manager.begin(Request("c", tokens=prompt(0, 2) + prompt(50, 4)))
+    assert (stack.takes, stack.restored_takes, stack.reload_batches) == (1, 1, 0)
+    assert sorted(b.depth for b in stack) == [0, 1] and stack.stats.reloads == 0
+    manager.check()

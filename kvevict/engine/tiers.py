@@ -73,7 +73,11 @@ class TimedTierStack(TierStack):
     (matching the chain, reading and checking a disk block's file) and of every `load`
     (copying into the pool); ``reload_batches`` counts the calls of `load` that moved a
     block. A `take` that found nothing below the pool (most requests' lookups) is not a
-    reload and is not counted. Everything else is `TierStack`'s.
+    reload and is not counted. ``takes`` counts the takes that held a block and
+    ``restored_takes`` those undone by `restore` (the request could not be admitted and is
+    retried later, so its disk blocks are read again then): their seconds are in
+    ``reload_seconds_measured`` too, as real time the engine spent. Everything else is
+    `TierStack`'s.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, timer: Callable[[], float] = time.perf_counter,
@@ -84,13 +88,21 @@ class TimedTierStack(TierStack):
         self.timer = timer
         self.reload_seconds_measured = 0.0
         self.reload_batches = 0
+        self.takes = 0
+        self.restored_takes = 0
 
     def take(self, hashes: Sequence[Any], start: int, now: float) -> list[BlockInfo]:
         t0 = self.timer()
         taken = super().take(hashes, start, now)
         if taken:
             self.reload_seconds_measured += self.timer() - t0
+            self.takes += 1
         return taken
+
+    def restore(self, blocks: Sequence[BlockInfo], now: float) -> None:
+        if blocks:
+            self.restored_takes += 1
+        super().restore(blocks, now)
 
     def load(self, blocks: Sequence[BlockInfo], block_ids: Sequence[int], now: float) -> None:
         t0 = self.timer()
@@ -183,6 +195,8 @@ def tier_report(stack: TierStack, device_hits: int) -> dict[str, Any]:
     if isinstance(stack, TimedTierStack):
         out["reload_s_measured"] = stack.reload_seconds_measured
         out["reload_calls"] = stack.reload_batches
+        out["takes"] = stack.takes
+        out["restored_takes"] = stack.restored_takes
         out["reload_s_predicted_per_block"] = sum(
             stats.hit_blocks.get(t.name, 0) * stack.reload_seconds(t.index)
             for t in stack.tiers)
