@@ -39,6 +39,19 @@ fidelity is a measured number with its spread:
    engine could not keep up, and the decision is then not made on latency); whether every
    run's answers equal its seed's first unbounded run's (`compare_answers`).
 
+**Tiers** (``host_bytes``, ``disk_dir``: ``kvevict engine-bench --host-gib X --disk-dir D``).
+Every policy run gets a fresh `kvevict.engine.tiers.engine_tiers` stack below its pool: a
+host tier (a second CPU tensor of ``host_bytes``) and a disk tier (checksummed block files in
+a fresh subdirectory of ``disk_dir``, removed after the run), so an evicted block is demoted
+and a hit below the pool reloads it. The links are measured on this machine first
+(`kvevict.engine.tiers.measure_link`: host copies, cold disk reads) and the demotion rule
+compares those reloads with the calibrated cost model's recompute; the result's ``"tiers"``
+holds the fitted profiles, the crossover depth they give, and per run the blocks each tier
+served, the reloads, the bytes moved and the measured reload seconds. The unbounded
+reference runs without tiers, so the answer check proves the reloads lossless. The simulator
+predicts the runs without tiers (its tiers are `kvevict.sim`'s business), so the fidelity
+columns of a tiered benchmark compare the tiered engine against an untiered prediction.
+
 All latencies are engine seconds: seconds of the run's timer, ``"wall"`` (`time.perf_counter`,
 what a user waits) or ``"cpu"`` (`time.thread_time`, the CPU time of the engine's thread: what
 the run would take with the core to itself, other processes' time left out; one torch thread
@@ -51,8 +64,10 @@ which never import each other: it is the one place that runs both and compares t
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvevict.cost import CostModel
@@ -66,6 +81,7 @@ from kvevict.engine.driver import (
     unbounded_capacity,
 )
 from kvevict.engine.model import LlamaModel
+from kvevict.engine.tiers import LinkFit, engine_tiers, measure_link
 from kvevict.errors import ConfigError
 from kvevict.report import Choice, choose_policy, explain_choice
 from kvevict.run import infinite_cache_hits
@@ -399,7 +415,10 @@ def run_bench(requests: Sequence[Request] | Mapping[Any, Sequence[Request]], mod
               target_load: float = 0.5, config: SchedulerConfig | None = None,
               cost: CostModel | Calibration | None = None, cold_requests: int = 5,
               timer: str | Callable[[], float] = "wall", confidence: float = 0.95,
-              check: bool = False, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              check: bool = False, progress: Callable[[str], None] | None = None,
+              host_bytes: float = 0, disk_dir: str | Path | None = None,
+              disk_bytes: float = 2**30, demote: str = "cost",
+              links: Mapping[str, LinkFit] | None = None) -> dict[str, Any]:
     """Run the benchmark (see the module docstring); returns the JSON-ready result.
 
     Args:
@@ -422,12 +441,21 @@ def run_bench(requests: Sequence[Request] | Mapping[Any, Sequence[Request]], mod
         confidence: of the intervals (0.95).
         check: ``manager.check()`` after every engine step (slow).
         progress: called with a line before each phase.
+        host_bytes: a host tier of this size under every policy run's pool (0: none).
+        disk_dir: a disk tier in a fresh subdirectory of this directory per run (None:
+            none).
+        disk_bytes: the disk tier's size.
+        demote: the tiers' demotion rule (``"cost"``: what reloads faster than it
+            recomputes; ``"always"``).
+        links: measured links by tier name (``"host"``, ``"disk"``; default: measured now
+            with `measure_link`).
 
     The result holds ``"runs"`` (every run: measured summary, the prediction for its seed,
     the error of that run, its requests and its answers' check), ``"predictions"`` (one per
     policy and seed), ``"summary"`` (per policy, every measured and predicted metric as an
     interval over the replicates), ``"fidelity"`` (`fidelity`'s rows), ``"load"`` (measured),
-    ``"decision"`` (`choose_policy` on the replicates) and ``"lossless"``.
+    ``"decision"`` (`choose_policy` on the replicates) and ``"lossless"``; with tiers,
+    ``"tiers"`` (the links, their crossover depths, and per policy the tiers' counters).
     """
     say = progress or (lambda _line: None)
     workloads = _workloads(requests)
@@ -489,6 +517,25 @@ def run_bench(requests: Sequence[Request] | Mapping[Any, Sequence[Request]], mod
             f"{largest.request_id!r} (seed {seed}), which needs {min_blocks:,} blocks; use at "
             f"least --cache-blocks {min_blocks}")
     bytes_per_block = model.config.layout().bytes_per_block(block_size)
+    tiered = bool(host_bytes) or disk_dir is not None
+    tier_info: dict[str, Any] | None = None
+    if tiered:
+        links, tier_info = _tier_setup(model, block_size, host_bytes, disk_dir, disk_bytes,
+                                       demote, links, cost, clock, say)
+
+    def stack_for(label: str, run: int) -> Any:
+        if not tiered or label == REFERENCE:
+            return None
+        directory = None if disk_dir is None else Path(disk_dir) / f"run-{run}"
+        if directory is not None and directory.exists():
+            shutil.rmtree(directory)
+        return engine_tiers(model.config.layout(), block_size, host_bytes=host_bytes,
+                            disk_dir=directory, disk_bytes=disk_bytes, cost=cost,
+                            host_profile=links["host"].profile if "host" in links
+                            else "host-pcie5",
+                            disk_profile=links["disk"].profile if "disk" in links
+                            else "nvme",
+                            demote=demote, model=_model_identity(model), timer=clock)
 
     def capacity_of(label: str, seed: Any) -> int:
         return unbounded[seed] if label == REFERENCE else capacity_blocks
@@ -518,10 +565,16 @@ def run_bench(requests: Sequence[Request] | Mapping[Any, Sequence[Request]], mod
                 say(f"[{done}/{total}] repeat {repeat + 1}/{repeats}, seed {seed}: {label} "
                     f"({cap:,} blocks)")
                 policy = BASELINE if label == REFERENCE else label
+                stack = stack_for(label, done)
                 t0 = time.perf_counter()
-                result = run_engine(workloads[seed], model, policy, capacity_blocks=cap,
-                                    block_size=block_size, time_scale=time_scale, config=cfg,
-                                    cost=scaled, check=check, timer=clock)
+                try:
+                    result = run_engine(workloads[seed], model, policy, capacity_blocks=cap,
+                                        block_size=block_size, time_scale=time_scale,
+                                        config=cfg, cost=scaled, check=check, timer=clock,
+                                        tiers=stack)
+                finally:
+                    if stack is not None and disk_dir is not None:
+                        shutil.rmtree(Path(disk_dir) / f"run-{done}", ignore_errors=True)
                 wall = time.perf_counter() - t0
                 reference = references.get(seed)
                 if reference is None and label == REFERENCE:
@@ -606,7 +659,95 @@ def run_bench(requests: Sequence[Request] | Mapping[Any, Sequence[Request]], mod
         "decision": _decision_dict(choice, unit),
         "lossless": all(r["answers"] is None or r["answers"]["lossless"] for r in runs),
         "answers_by_seed": answers,
+        **({} if tier_info is None else {"tiers": _tier_summary(tier_info, runs)}),
     }
+
+
+def _model_identity(model: LlamaModel) -> str:
+    """The engine model's identity in a disk tier's manifest: its sizes and weight seed."""
+    c = model.config
+    return (f"kvevict-llama(vocab={c.vocab_size}, hidden={c.hidden_size}, "
+            f"layers={c.num_layers}, heads={c.num_heads}/{c.num_kv_heads}x{c.head_dim}, "
+            f"intermediate={c.intermediate_size}, {str(c.dtype).removeprefix('torch.')}, "
+            f"seed={model.seed})")
+
+
+def _tier_setup(model: LlamaModel, block_size: int, host_bytes: float,
+                disk_dir: str | Path | None, disk_bytes: float, demote: str,
+                links: Mapping[str, LinkFit] | None, cost: CostModel,
+                clock: Callable[[], float], say: Callable[[str], None],
+                ) -> tuple[dict[str, LinkFit], dict[str, Any]]:
+    """Check the tier options, measure the links (unless given); the result's ``"tiers"``
+    header: sizes, links, and the crossover depth each link gives under ``cost``."""
+    layout = model.config.layout()
+    per_block = layout.bytes_per_block(block_size)
+    for name, size, used in (("host", host_bytes, bool(host_bytes)),
+                             ("disk", disk_bytes, disk_dir is not None)):
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not (
+                math.isfinite(size) and size >= 0):
+            raise ConfigError(f"the {name} tier's size must be a number of bytes >= 0, got "
+                              f"{size!r}")
+        if used and size < per_block:
+            raise ConfigError(f"a {name} tier of {size:,.0f} bytes holds no {per_block:,}-byte "
+                              f"block of this model; give at least {per_block / 2**30:.3g} GiB")
+    if demote not in ("cost", "always"):
+        raise ConfigError(f"demote must be 'cost' or 'always', got {demote!r}")
+    found = dict(links or {})
+    if host_bytes and "host" not in found:
+        say("measuring the host tier's link (CPU tensor copies)")
+        found["host"] = measure_link("host", layout, block_size, dtype=model.config.dtype,
+                                     name="host", timer=clock)
+    if disk_dir is not None:
+        try:
+            Path(disk_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the disk tier directory {disk_dir}: "
+                              f"{exc.strerror or exc}") from None
+        if "disk" not in found:
+            say(f"measuring the disk tier's link (cold reads under {disk_dir})")
+            found["disk"] = measure_link("disk", layout, block_size, dtype=model.config.dtype,
+                                         directory=disk_dir, name="disk", timer=clock)
+    info: dict[str, Any] = {
+        "host_bytes": host_bytes, "host_blocks": int(host_bytes // per_block),
+        "disk_dir": None if disk_dir is None else str(disk_dir), "disk_bytes": disk_bytes,
+        "disk_blocks": int(disk_bytes // per_block) if disk_dir is not None else 0,
+        "bytes_per_block": per_block, "demote": demote,
+        "links": {name: fit.as_dict() for name, fit in found.items()},
+    }
+    crossover = {}
+    for name in ("host", "disk"):
+        if name not in found:
+            continue
+        fit = found[name]
+        reload = fit.predicted_read_seconds(1)
+        if name == "disk" and "host" in found and host_bytes:  # staged through host
+            reload += found["host"].predicted_read_seconds(1)
+        depth = next((d for d in range(1 << 16)
+                      if cost.recompute_seconds(d, block_size) > reload), None)
+        crossover[name] = {"reload_s_per_block": reload, "crossover_depth": depth,
+                           "recompute_s_at_depth_0": cost.recompute_seconds(0, block_size)}
+    info["crossover"] = crossover
+    return found, info
+
+
+def _tier_summary(info: dict[str, Any], runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The tiers' header plus, per policy, the tiers' counters averaged over its runs."""
+    by_policy: dict[str, list[Mapping[str, Any]]] = {}
+    for r in runs:
+        t = r["measured"].get("tiers")
+        if t is not None:
+            by_policy.setdefault(r["policy"], []).append(t)
+    out = dict(info)
+    out["by_policy"] = {}
+    for policy, found in by_policy.items():
+        keep = ("hits_by_tier", "reloads", "bytes_read", "bytes_written", "demotions",
+                "drops", "checksum_failures", "reload_s_measured",
+                "reload_s_predicted_per_block", "takes", "restored_takes")
+        out["by_policy"][policy] = {k: _mean_of([t.get(k, {} if k in (
+            "hits_by_tier", "bytes_read", "bytes_written", "demotions", "drops") else 0)
+            for t in found]) for k in keep}
+        out["by_policy"][policy]["runs"] = len(found)
+    return out
 
 
 def _workload_entry(seed: Any, ordered: list[Request],
@@ -797,8 +938,58 @@ def format_report(result: dict[str, Any], workload: str) -> str:
               "decode tok/s is the median request's streaming rate; peak RSS from the OS; "
               "busy s = measured engine time, priced s = the cost model's price of the same "
               "steps", *_table(header, rows)]
+    if "tiers" in result:
+        lines += ["", *_tier_lines(result["tiers"])]
     lines += ["", *_conclusion(result)]
     return "\n".join(lines)
+
+
+def _link_text(link: Mapping[str, Any]) -> str:
+    p = link["profile"]
+    cold = {True: "cold reads", False: "page-cache reads", None: "reads"}[link["cold"]]
+    return (f"{cold} {p['latency_s'] * 1e6:.1f} us + {p['read_bytes_per_s'] / 1e9:.3g} GB/s, "
+            f"writes {p['write_bytes_per_s'] / 1e9:.3g} GB/s")
+
+
+def _tier_lines(tiers: Mapping[str, Any]) -> list[str]:
+    """The tiers' part of the terminal report."""
+    parts = []
+    links, cross = tiers["links"], tiers["crossover"]
+    if tiers["host_blocks"]:
+        parts.append(f"host {tiers['host_bytes'] / MIB:,.1f} MiB ({tiers['host_blocks']:,} "
+                     f"blocks; measured {_link_text(links['host'])})")
+    if tiers["disk_dir"] is not None:
+        parts.append(f"disk {tiers['disk_bytes'] / MIB:,.1f} MiB under {tiers['disk_dir']} "
+                     f"({tiers['disk_blocks']:,} blocks; measured {_link_text(links['disk'])})")
+    depth = "; ".join(
+        f"{name}: reload {c['reload_s_per_block'] * 1e6:,.0f} us/block vs recompute "
+        f"{c['recompute_s_at_depth_0'] * 1e6:,.0f} us at depth 0, worth it from depth "
+        f"{c['crossover_depth']}" for name, c in cross.items())
+    lines = [f"tiers: {'; '.join(parts)}", f"demotion rule {tiers['demote']!r}; the "
+             f"calibrated cost model and the measured links give: {depth}"]
+    names = ["device"] + (["host"] if tiers["host_blocks"] else []) + (
+        ["disk"] if tiers["disk_dir"] is not None else [])
+    header = ["policy", *[f"{n} hits" for n in names], "reloads",
+              *[f"{n} MiB read/written" for n in names[1:]], "drops", "takes (undone)",
+              "reload s", "priced s"]
+    rows = []
+    for policy, t in tiers["by_policy"].items():
+        hits = t["hits_by_tier"] or {}
+        drops = t["drops"] or {}
+        rows.append([policy, *[f"{hits.get(n, 0):,.1f}" for n in names],
+                     f"{t['reloads']:,.1f}",
+                     *[f"{(t['bytes_read'] or {}).get(n, 0) / MIB:,.2f}/"
+                       f"{(t['bytes_written'] or {}).get(n, 0) / MIB:,.2f}" for n in names[1:]],
+                     ", ".join(f"{k} {v:,.1f}" for k, v in sorted(drops.items())) or "0",
+                     f"{t['takes']:,.1f} ({t['restored_takes']:,.1f})",
+                     f"{t['reload_s_measured']:.4f}", f"{t['reload_s_predicted_per_block']:.4f}"])
+    lines += ["blocks served by each tier and bytes moved, means over each policy's runs "
+              "(the unbounded reference runs without tiers); takes = admissions that held "
+              "blocks below the pool (undone: the request could not be admitted and retried, "
+              "its disk blocks read again); reload s = measured seconds of the takes and "
+              "loads, priced s = the links' price of the reloaded blocks one at a time",
+              *_table(header, rows)]
+    return lines
 
 
 def _mean_text(d: Any, spec: str) -> str:

@@ -80,6 +80,20 @@ def add_parsers(sub: Any) -> None:
     eb.add_argument("--check", action="store_true",
                     help="check the cache's invariants after every engine step (slow)")
     timer_arg(eb)
+    g = eb.add_argument_group("memory tiers below the pool (kvevict.engine.tiers)")
+    g.add_argument("--host-gib", type=float, default=0.0,
+                   help="a host tier of this many GiB (a second CPU tensor) under every "
+                        "policy run's pool: evicted blocks are demoted there and reloaded "
+                        "on a hit (default: none)")
+    g.add_argument("--disk-dir", type=Path, default=None,
+                   help="a disk tier in this directory (one checksummed file per block, a "
+                        "fresh subdirectory per run, removed after it; default: none)")
+    g.add_argument("--disk-gib", type=float, default=1.0,
+                   help="the disk tier's size in GiB (default %(default)s)")
+    g.add_argument("--demote", choices=("cost", "always"), default="cost",
+                   help="cost: demote a block only when reloading it beats recomputing it "
+                        "(measured links, calibrated cost model); always: whenever there is "
+                        "room (default %(default)s)")
     engine_model_args(eb)
     eb.add_argument("--out", type=Path,
                     help="write results.json, answers.json (and calibration.json) here")
@@ -233,6 +247,11 @@ def engine_bench_command(args: argparse.Namespace) -> int:
                           f"got {args.time_scale}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ConfigError(f"--out {args.out} exists and is not a directory")
+    for flag, value in (("--host-gib", args.host_gib), ("--disk-gib", args.disk_gib)):
+        if not 0 <= value < float("inf"):
+            raise ConfigError(f"{flag} must be a finite number of GiB >= 0, got {value}")
+    if args.disk_dir is not None and args.disk_dir.exists() and not args.disk_dir.is_dir():
+        raise ConfigError(f"--disk-dir {args.disk_dir} exists and is not a directory")
     check_timer(args)
     cost = None
     if args.cost_model is not None:
@@ -263,7 +282,9 @@ def engine_bench_command(args: argparse.Namespace) -> int:
                        block_size=args.block_size, capacity_blocks=args.cache_blocks,
                        time_scale=args.time_scale, target_load=args.load, config=config,
                        cost=cost, cold_requests=args.cold_requests, timer=args.timer,
-                       check=args.check, progress=say)
+                       check=args.check, progress=say, host_bytes=args.host_gib * 2**30,
+                       disk_dir=args.disk_dir, disk_bytes=args.disk_gib * 2**30,
+                       demote=args.demote)
     result["model"].update(startup)
     if args.cost_model is not None:
         result["calibration"]["path"] = str(args.cost_model)

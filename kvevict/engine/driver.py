@@ -7,6 +7,14 @@ instead of a cost model pricing the steps. It builds the policy with
 arrival axis) and returns an `EngineResult` with the measurements: per request queue wait,
 prefill phase, TTFT, decode rate, cached and computed tokens, answers; per run peak pool
 blocks, torch and OS memory (`kvevict.engine.memory`), where the KV tensor lives.
+
+With ``tiers`` (a `kvevict.tiers.TierStack` holding real bytes: a host tensor, a disk
+directory; `kvevict.engine.tiers.engine_tiers` builds one) a block the policy evicts is
+demoted below the pool instead of lost, and a request whose prefix continues there reloads it
+(copied back into pool blocks before its prefill, so the model never recomputes it). The
+reload is real work on the engine's clock: it happens while the scheduler admits the request,
+between two steps, so its measured seconds are charged to the next step like the rest of the
+cache management. `EngineResult.tiers` reports what moved (`kvevict.engine.tiers.tier_report`).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from kvevict.cost import CostModel
 from kvevict.engine.executor import EngineExecutor, check_time_scale
 from kvevict.engine.memory import kv_placement, process_memory, reset_peak_rss
 from kvevict.engine.model import LlamaModel
+from kvevict.engine.tiers import tier_report
 from kvevict.errors import ConfigError
 from kvevict.hashing import block_hashes
 from kvevict.manager import KVCacheManager
@@ -32,10 +41,11 @@ from kvevict.policies.registry import POLICIES, build_policy, is_offline
 from kvevict.pool import BlockPool
 from kvevict.run import RequestRecord, SimResult, collect, drive
 from kvevict.scheduler import Scheduler, SchedulerConfig
+from kvevict.tiers import TierPricedCost, TierStack
 from kvevict.types import ManualClock, Request
 
 __all__ = ["EngineResult", "default_policy_params", "in_engine_seconds", "run_engine",
-           "unbounded_capacity"]
+           "tier_priced_cost", "unbounded_capacity"]
 
 
 def unbounded_capacity(requests: SequenceABC[Request], block_size: int,
@@ -91,12 +101,33 @@ def default_policy_params(policy: str, cost: CostModel | None,
     return params
 
 
+def tier_priced_cost(tiers: TierStack, cost: CostModel | None, time_scale: float,
+                     bytes_per_block: int) -> TierPricedCost:
+    """The cost model a value-aware pool policy prices blocks with over ``tiers``
+    (`kvevict.tiers.TierPricedCost`: losing a block from the pool costs the reload of its
+    ``bytes_per_block`` from the tier below, or its recompute when that is cheaper), on the
+    workload's clock: ``cost`` is in workload seconds (None: the stack's own model, in
+    engine seconds), the reload in engine seconds times ``time_scale``."""
+    engine = tiers.cost_model if cost is None else cost.scaled(1 / time_scale)
+    loss = tiers.tiers[0].profile.transfer_seconds(bytes_per_block)
+    fields = {f.name: getattr(engine, f.name) for f in attrs.fields(CostModel)}
+    priced = TierPricedCost(**fields, loss_reload_s=loss, kept_reload_s=0.0)
+    return attrs.evolve(priced.scaled(time_scale), loss_reload_s=loss * time_scale)
+
+
 def _policy(policy: str | Policy, ordered: list[Request], block_size: int,
-            cost: CostModel | None, params: dict[str, Any] | None) -> Policy:
+            cost: CostModel | None, params: dict[str, Any] | None,
+            tiers: TierStack | None = None, time_scale: float = 1.0,
+            bytes_per_block: int = 0) -> Policy:
     """`build_policy`: a named policy gets `default_policy_params` overridden by ``params``;
-    an offline one the future of ``ordered`` on the arrival axis."""
+    an offline one the future of ``ordered`` on the arrival axis. Over ``tiers`` a policy
+    that takes a cost model gets `tier_priced_cost` (unless ``params`` set one)."""
     if isinstance(policy, str):
-        params = {**default_policy_params(policy, cost, block_size), **(params or {})}
+        defaults = default_policy_params(policy, cost, block_size)
+        if tiers is not None and not is_offline(policy) and \
+                "cost_model" in POLICIES.parameters(policy):
+            defaults["cost_model"] = tier_priced_cost(tiers, cost, time_scale, bytes_per_block)
+        params = {**defaults, **(params or {})}
     return build_policy(policy, params, requests=ordered, block_size=block_size,
                         time_axis="arrival")
 
@@ -118,6 +149,8 @@ class EngineResult:
     engine: dict[str, Any]  #: steps, busy/model/host seconds, work counters
     memory: dict[str, Any]  #: peak pool blocks, torch peak, OS RSS
     kv: dict[str, Any]  #: `kv_placement`
+    #: what the tiers below the pool did (`kvevict.engine.tiers.tier_report`); None without
+    tiers: dict[str, Any] | None = None
 
     @property
     def policy(self) -> str:
@@ -132,6 +165,8 @@ class EngineResult:
         out["decode_tokens_per_s_p50"] = _p50([_decode_rate(r) for r in recs])
         out["engine"] = dict(self.engine)
         out["memory"] = dict(self.memory)
+        if self.tiers is not None:
+            out["tiers"] = dict(self.tiers)
         if cold_requests:
             out["cold"] = _phase(recs[:cold_requests])
             out["warm"] = _phase(recs[cold_requests:])
@@ -193,7 +228,8 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
                config: SchedulerConfig | None = None, cost: CostModel | None = None,
                policy_params: dict[str, Any] | None = None, teacher_forcing: bool = True,
                check: bool = False, on_step: Callable[[Scheduler], None] | None = None,
-               timer: Callable[[], float] = time.perf_counter) -> EngineResult:
+               timer: Callable[[], float] = time.perf_counter,
+               tiers: TierStack | None = None) -> EngineResult:
     """Replay ``requests`` through the scheduler, the manager and the real model.
 
     Args:
@@ -215,16 +251,23 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
         check: call ``manager.check()`` after every step and verify the fed tokens (slow).
         on_step: called with the scheduler after every step.
         timer: the step timer (see `EngineExecutor`).
+        tiers: memory tiers below the pool (see the module docstring), a fresh stack per
+            run (a stack serves one pool); its cost model, which decides what is worth
+            demoting, is in engine seconds. A named policy that takes a cost model prices
+            blocks with `tier_priced_cost`.
     """
     if not isinstance(model, LlamaModel):
         raise ConfigError(f"model must be a LlamaModel, got {type(model).__name__}")
     check_time_scale(time_scale)
     ordered = _check_requests(requests, model.config.vocab_size)
-    policy_obj = _policy(policy, ordered, block_size, cost, policy_params)
+    if tiers is not None and not isinstance(tiers, TierStack):
+        raise ConfigError(f"tiers must be a kvevict.tiers.TierStack, got {type(tiers).__name__}")
+    pool = BlockPool(capacity_blocks, block_size, model.config.layout(), device=model.device)
+    policy_obj = _policy(policy, ordered, block_size, cost, policy_params, tiers,
+                         float(time_scale), pool.bytes_per_block)
     name = policy if isinstance(policy, str) else type(policy).__name__.lower()
     clock = ManualClock()
-    pool = BlockPool(capacity_blocks, block_size, model.config.layout(), device=model.device)
-    manager = KVCacheManager(pool, policy_obj, clock=clock)
+    manager = KVCacheManager(pool, policy_obj, clock=clock, tiers=tiers)
     executor = EngineExecutor(model, pool, clock, time_scale=time_scale,
                               teacher_forcing=teacher_forcing, check_tokens=check,
                               timer=timer,
@@ -277,4 +320,5 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
         top_logits={k: tuple(v) for k, v in executor.top_logits.items()},
         engine_prefill_tokens=dict(executor.engine_prefill_tokens), engine=engine,
         memory=memory, kv=kv_placement(pool, model),
+        tiers=None if tiers is None else tier_report(tiers, manager.stats.block_hits),
     )

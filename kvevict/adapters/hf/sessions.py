@@ -14,10 +14,32 @@ session's next `cache_for`) releases the turn, and its blocks become candidates 
 store's policy (any kvevict `Policy`: ``"lru"``, ``"market"``, ...) evicts when the pool is
 full. A returning session whose tail was evicted recomputes it: the lookup simply stops
 earlier. The output is the same either way; only the work differs.
+
+**Tiers** (``host_blocks=``, ``disk_dir=``): a block the policy evicts from the pool is
+demoted to a host tier (a CPU tensor) or a disk tier (one checksummed file per block under
+``disk_dir``; `kvevict.tiers`) instead of being lost, and a turn whose prefix continues
+there reloads it (copied back into pool blocks in ``cache_for``; ``generate()`` prefills only
+what no tier holds). `close` (or leaving a ``with SessionStore(...)`` block) writes every
+cached block down to the disk tier, so a **new process** with the same model and directory
+resumes the conversations from disk::
+
+    with SessionStore(model, num_blocks=4096, disk_dir="kv/") as store:
+        ...                                    # turns 1-3
+    store = SessionStore(model, num_blocks=4096, disk_dir="kv/")   # another process
+    with store.cache_for("alice", turn_4_ids) as cache:  # turns 1-3 reloaded from disk
+        ...
+
+The directory's manifest names the model (`model_identity`: its class, config and a
+fingerprint of its weights) and the layout (dtype, block size, heads); opening it for
+another model or layout raises `ConfigError` naming both. A block file that fails its
+checksum (torn, truncated, a flipped byte) is a miss, logged and recomputed, never served.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -27,13 +49,45 @@ from torch import nn
 from kvevict.adapters.hf.blocks import MANAGED_POOLS
 from kvevict.adapters.hf.cache import PagedCache
 from kvevict.adapters.hf.model import inspect_model
+from kvevict.cost import CostModel
 from kvevict.errors import ConfigError
 from kvevict.manager import CacheStats, KVCacheManager
 from kvevict.policies.base import Policy
 from kvevict.pool import BlockPool
+from kvevict.tiers import DiskStore, HostStore, Tier, TierProfile, TierStack, TierStats
 from kvevict.types import MonotonicClock, Request, RetentionHint, as_token_array
 
-__all__ = ["SessionStore"]
+__all__ = ["SessionStore", "model_identity"]
+
+#: Elements of each weight tensor (from each end) that `model_identity` fingerprints.
+FINGERPRINT_ELEMENTS = 4096
+#: Config keys that do not change the KV a model computes (left out of its identity).
+_VOLATILE_CONFIG = ("transformers_version", "_name_or_path", "architectures",
+                    "_attn_implementation_autoset", "use_cache", "output_attentions",
+                    "output_hidden_states", "return_dict")
+
+
+def model_identity(model: nn.Module) -> str:
+    """A model's identity for a disk tier's manifest: ``"<class>:<32 hex digits>"``, the
+    BLAKE2b-128 of its config (less the keys that do not change its KV, such as the
+    transformers version) and of every weight tensor's name, shape, dtype and its first and
+    last `FINGERPRINT_ELEMENTS` elements. Two models share cached KV on disk only when this
+    matches: the same architecture with other weights (a fine-tune, another seed) gets
+    another identity. A fingerprint, not a full hash: hashing every weight of a large model
+    would take seconds; pass ``model_id=`` to `SessionStore` to name a model yourself."""
+    h = hashlib.blake2b(digest_size=16)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        data = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG}
+        h.update(json.dumps(data, sort_keys=True, default=str).encode())
+    n = FINGERPRINT_ELEMENTS
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict().items()):
+            h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
+            flat = tensor.detach().reshape(-1)
+            part = flat if flat.numel() <= 2 * n else torch.cat([flat[:n], flat[-n:]])
+            h.update(part.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return f"{type(model).__name__}:{h.hexdigest()}"
 
 
 def _prompt_ids(input_ids: Any) -> list[int]:
@@ -60,18 +114,37 @@ class SessionStore:
         policy: the residency policy, an instance or a registered name (default ``"lru"``).
         clock: callable returning seconds (default: `MonotonicClock`).
         extra_key: mixed into every block hash (e.g. an adapter id).
+        host_blocks: blocks of a host tier below the pool (a CPU tensor, pinned when CUDA
+            is present; 0: none).
+        disk_dir: directory of a disk tier below that (None: none); blocks already there
+            (written by an earlier store of the same model and layout) are recovered.
+        disk_blocks: the disk tier's capacity in blocks (default: 16 times the pool's).
+        cost_model: prices recomputation for the demotion rule and a value-aware policy's
+            reload costs (default `CostModel()`: an 8B model on an H100; give this model's).
+        demote: ``"cost"`` (demote only what reloads faster than it recomputes; default)
+            or ``"always"``.
+        host_profile, disk_profile: the tiers' links (`kvevict.tiers.TIER_PROFILES` names or
+            `TierProfile`; defaults ``"host-pcie5"`` and ``"nvme"``).
+        model_id: the model's name in the disk tier's manifest (default `model_identity`).
         **policy_params: passed to the policy when ``policy`` is a name.
 
     Attributes:
         manager: the `KVCacheManager` (stats, `check()`, eviction listeners).
         pool: the `BlockPool` (``[full layers, 2, blocks, block_size, kv_heads, head_dim]``).
         prompt_tokens: prompt tokens of every turn so far.
-        reused_tokens: of those, tokens read from the pool instead of prefilled.
+        reused_tokens: of those, tokens read from the pool instead of prefilled (reloaded
+            ones included).
+        tiers: the `TierStack` below the pool, or None.
     """
 
     def __init__(self, model: nn.Module, *, num_blocks: int, block_size: int = 16,
                  policy: Policy | str = "lru", clock: Callable[[], float] | None = None,
-                 extra_key: Any = None, **policy_params: Any) -> None:
+                 extra_key: Any = None, host_blocks: int = 0,
+                 disk_dir: str | os.PathLike[str] | None = None, disk_blocks: int | None = None,
+                 cost_model: CostModel | None = None, demote: str = "cost",
+                 host_profile: TierProfile | str = "host-pcie5",
+                 disk_profile: TierProfile | str = "nvme", model_id: str | None = None,
+                 **policy_params: Any) -> None:
         spec = inspect_model(model)
         if spec.has_special_layers:
             kinds = sorted(set(spec.layer_types) - {"full_attention"})
@@ -83,9 +156,11 @@ class SessionStore:
         self.pool = BlockPool(num_blocks, block_size, spec.layout(), device=spec.device,
                               dtype=spec.dtype)
         MANAGED_POOLS.add(self.pool)
+        self.tiers = _tier_stack(model, num_blocks, host_blocks, disk_dir, disk_blocks,
+                                 cost_model, demote, host_profile, disk_profile, model_id)
         self.manager = KVCacheManager(self.pool, policy,
                                       clock=clock if clock is not None else MonotonicClock(),
-                                      extra_key=extra_key, **policy_params)
+                                      extra_key=extra_key, tiers=self.tiers, **policy_params)
         self.prompt_tokens = 0
         self.reused_tokens = 0
         self._turns: dict[Any, int] = {}
@@ -95,6 +170,53 @@ class SessionStore:
     def stats(self) -> CacheStats:
         """The manager's counters (prefix-cache queries and hits in tokens, evictions, ...)."""
         return self.manager.stats
+
+    @property
+    def tier_stats(self) -> TierStats | None:
+        """What the tiers moved (`kvevict.tiers.TierStats`: ``hit_blocks`` by tier,
+        ``reloads``, bytes, drops, checksum failures), or None without tiers."""
+        return None if self.tiers is None else self.tiers.stats
+
+    def hits_by_tier(self) -> dict[str, int]:
+        """Prefix-cache block hits served by each tier: ``device`` (the pool) and each lower
+        tier's reloads (``{"device": hits}`` without tiers)."""
+        hits = self.manager.stats.block_hits
+        return {"device": hits} if self.tiers is None else self.tiers.hits_by_tier(hits)
+
+    def persist(self) -> int:
+        """Write every cached block down to the disk tier, ignoring the cost rule (a new
+        process can only resume what is on disk): open turns are committed, every evictable
+        pool block is evicted into the tiers, and the tiers above the disk spill into it.
+        Returns the blocks the disk tier holds. A block that cannot be written (a full disk,
+        an unwritable directory) is dropped and counted (``tier_stats.drops``)."""
+        if self.tiers is None or self.tiers.tiers[-1].store.kind != "disk":
+            raise ConfigError("persist() needs a disk tier: SessionStore(..., disk_dir=...)")
+        for cache in list(self._open.values()):
+            cache.close()
+        stack, manager = self.tiers, self.manager
+        rule = stack.demote_rule
+        stack.demote_rule = "always"
+        try:
+            manager.evict(manager.num_evictable_blocks)
+            stack.spill(manager.clock())
+        finally:
+            stack.demote_rule = rule
+        return len(stack.tiers[-1])
+
+    def close(self) -> None:
+        """Commit the open turns and, with a disk tier, `persist` the cache; the store
+        stays usable (the blocks are reloaded from the tiers on their next hit)."""
+        if self.tiers is not None and self.tiers.tiers[-1].store.kind == "disk":
+            self.persist()
+        else:
+            for cache in list(self._open.values()):
+                cache.close()
+
+    def __enter__(self) -> SessionStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def resident_tokens(self, input_ids: Any) -> int:
         """How many leading tokens of ``input_ids`` are resident (whole blocks); no side
@@ -144,6 +266,40 @@ class SessionStore:
                 del self._open[session]
 
     def __repr__(self) -> str:
+        tiers = "" if self.tiers is None else f", tiers={self.tiers!r}"
         return (f"SessionStore(model={self.spec.model_name}, blocks={self.pool.num_blocks}, "
                 f"block_size={self.pool.block_size}, policy={self.manager.policy!r}, "
-                f"open={len(self._open)})")
+                f"open={len(self._open)}{tiers})")
+
+
+def _count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _tier_stack(model: nn.Module, num_blocks: int, host_blocks: Any,
+                disk_dir: str | os.PathLike[str] | None, disk_blocks: Any,
+                cost_model: CostModel | None, demote: str, host_profile: Any,
+                disk_profile: Any, model_id: str | None) -> TierStack | None:
+    """The store's tiers below the pool (None when it has none)."""
+    host_blocks = _count("host_blocks", host_blocks, 0)
+    if disk_dir is not None and not isinstance(disk_dir, (str, os.PathLike)):
+        raise ConfigError(f"disk_dir must be a directory path, got {disk_dir!r}")
+    if disk_blocks is not None:
+        _count("disk_blocks", disk_blocks, 1)
+        if disk_dir is None:
+            raise ConfigError("disk_blocks= sizes a disk tier: give disk_dir= too")
+    tiers = []
+    if host_blocks:
+        tiers.append(Tier(host_blocks, host_profile, store=HostStore(), name="host"))
+    if disk_dir is not None:
+        size = 16 * num_blocks if disk_blocks is None else disk_blocks
+        tiers.append(Tier(size, disk_profile, store=DiskStore(disk_dir), name="disk"))
+    if not tiers:
+        return None
+    if model_id is not None and (not isinstance(model_id, str) or not model_id):
+        raise ConfigError(f"model_id must be a non-empty string, got {model_id!r}")
+    identity = model_id if model_id is not None else (
+        model_identity(model) if disk_dir is not None else None)
+    return TierStack(tiers, cost_model=cost_model, demote=demote, model=identity)
