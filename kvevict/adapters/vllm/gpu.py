@@ -288,6 +288,7 @@ class GPUTier:
         self.call_new: list[BlockInfo] = []
         self.infos: dict[str, tuple[RequestInfo, Request | None]] = {}
         self.metrics_next = _time.monotonic() + config.metrics_every
+        self.metrics_state: tuple[Any, ...] = ()
         self.start_policy()
 
     # -- the policy --------------------------------------------------------------------------
@@ -594,7 +595,11 @@ class GPUTier:
                 self.quarantine("on_candidate", block_id, exc)
                 policy = None
         self.tick = tick
-        self.maybe_write_metrics()
+        if self.config.metrics_path is not None:
+            if self.queue.num_free_blocks == len(self.records) - 1:  # all but the null block
+                self.write_metrics(idle=True)  # the pool went idle: the figures are final
+            else:
+                self.maybe_write_metrics()
 
     def take(self, n: int) -> list[KVCacheBlock]:
         """``popleft_n(n)``: ``n`` free blocks for ``get_new_blocks``, out of the queue.
@@ -741,11 +746,17 @@ class GPUTier:
         if self.config.metrics_path is not None and _time.monotonic() >= self.metrics_next:
             self.write_metrics()
 
-    def write_metrics(self) -> None:
-        """Write `metrics` to the config's file now (atomically: a reader never sees half)."""
+    def write_metrics(self, idle: bool = False) -> None:
+        """Write `metrics` to the config's file now (atomically: a reader never sees half);
+        with ``idle``, only if anything changed since the last write."""
         path = self.config.metrics_path
         if path is None:
             return
+        state = (self.hits, self.inserts, self.evictions, self.vllm_evictions,
+                 self.policy_error is None)
+        if idle and state == self.metrics_state:
+            return
+        self.metrics_state = state
         self.metrics_next = _time.monotonic() + self.config.metrics_every
         target = path.replace("{pid}", str(os.getpid()))
         tmp = f"{target}.tmp{os.getpid()}"
@@ -1020,8 +1031,11 @@ def install(config: GPUConfig) -> None:
         _scheduler_module.KVCacheManager = KVEvictKVCacheManager
     if config.metrics_path is not None:
         atexit.register(_write_all_metrics)
-    logger.info("kvevict: vLLM's GPU prefix cache evicts with kvevict policy %r %s",
-                config.policy, dict(config.params))
+    # through vLLM's logging (a child of its "vllm" logger), so that it shows in its log
+    logging.getLogger("vllm.kvevict").info(
+        "kvevict: the GPU prefix cache evicts with kvevict policy %r %s%s", config.policy,
+        dict(config.params), f"; metrics to {config.metrics_path}" if config.metrics_path
+        else "")
 
 
 def uninstall() -> None:

@@ -36,29 +36,29 @@ import time as _time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import torch
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import (
-    get_request_block_hasher,
-    init_none_hash,
-)
-from vllm.v1.kv_cache_interface import (
+import numpy as np
+
+# kvevict's GPU-tier module first: it checks vLLM is there (and supported) before any import
+from kvevict.adapters.vllm.gpu import GPUTier, KVEvictKVCacheManager, gpu_policy
+from kvevict.errors import ConfigError
+from kvevict.policies.registry import is_offline
+from kvevict.replay import ReplayRecord, ReplayResult, ReplayTable
+from kvevict.types import ManualClock, Request
+
+import torch  # isort: skip  (vLLM's specs take a torch dtype)
+from vllm.sampling_params import SamplingParams  # isort: skip
+from vllm.utils.hashing import get_hash_fn_by_name  # isort: skip
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # isort: skip
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # isort: skip
+from vllm.v1.kv_cache_interface import (  # isort: skip
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.request import Request as VllmRequest
+from vllm.v1.request import Request as VllmRequest  # isort: skip
 
-from kvevict.adapters.vllm.gpu import GPUTier, KVEvictKVCacheManager, gpu_policy
-from kvevict.errors import ConfigError
-from kvevict.policies.registry import is_offline
-from kvevict.replay import ReplayResult, ReplayTable
-from kvevict.types import ManualClock, Request
-
-__all__ = ["VLLM_GPU_POLICIES", "drive_request", "kv_cache_config", "make_gpu_manager",
-           "prompt_tokens", "replay_gpu", "replay_gpu_table"]
+__all__ = ["VLLM_GPU_POLICIES", "GPUStream", "block_hasher", "drive_request", "kv_cache_config",
+           "make_gpu_manager", "prompt_tokens", "replay_gpu", "replay_gpu_table"]
 
 #: vLLM's own GPU-tier policy (stock vLLM, no plugin), named apart from kvevict's ``lru``.
 VLLM_GPU_POLICIES = ("vllm:lru",)
@@ -120,17 +120,31 @@ def prompt_tokens(request: Request, block_size: int, index: int = 0) -> list[int
     tokens ``-(index + 1)``, its own (``index``: its position in the trace)."""
     if request.block_hashes is None:
         return [int(t) for t in request.tokens]
-    out: list[int] = []
     for h in request.block_hashes:
-        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+        if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h < 0:
             raise ConfigError(f"request {request.request_id!r}: the GPU-tier replay maps "
                               f"block ids that are ints >= 0 to tokens, got {h!r}")
-        base = h * block_size
-        out.extend(range(base, base + block_size))
+    ids = np.asarray(request.block_hashes, dtype=np.int64)
+    out = (ids[:, None] * block_size + np.arange(block_size, dtype=np.int64)).ravel().tolist()
     n = request.prompt_len
     if len(out) < n:
         out.extend([-(index + 1)] * (n - len(out)))
     return out[:n]
+
+
+class GPUStream:
+    """Requests and the token ids vLLM gets for each (`prompt_tokens`), built once for the
+    cells of a `replay_gpu_table`."""
+
+    def __init__(self, requests: Iterable[Request], block_size: int) -> None:
+        _positive_int("block_size", block_size)
+        self.block_size = block_size
+        self.requests = list(requests)
+        for req in self.requests:
+            if not isinstance(req, Request):
+                raise ConfigError(f"the GPU-tier replay takes kvevict Requests, got "
+                                  f"{type(req).__name__}")
+        self.tokens = [prompt_tokens(req, block_size, i) for i, req in enumerate(self.requests)]
 
 
 def drive_request(manager: KVCacheManager, request: VllmRequest) -> int | None:
@@ -144,7 +158,9 @@ def drive_request(manager: KVCacheManager, request: VllmRequest) -> int | None:
     return computed
 
 
-def _hasher(block_size: int) -> Callable[[VllmRequest], list[Any]]:
+def block_hasher(block_size: int) -> Callable[[VllmRequest], list[Any]]:
+    """vLLM's request block hasher for blocks of ``block_size`` tokens (`HASH_ALGO`; sets
+    vLLM's ``NONE_HASH`` as the engine does at start)."""
     hash_fn = get_hash_fn_by_name(HASH_ALGO)
     init_none_hash(hash_fn)
     return get_request_block_hasher(block_size, hash_fn)
@@ -153,11 +169,11 @@ def _hasher(block_size: int) -> Callable[[VllmRequest], list[Any]]:
 def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *,
                block_size: int = 16, params: Mapping[str, Any] | None = None,
                label: str | None = None, time: str = "index",
-               check_every: int = 0) -> ReplayResult:
+               check_every: int = 0, records: bool = False) -> ReplayResult:
     """Replay ``requests`` through vLLM's real ``KVCacheManager`` (module docstring).
 
     Args:
-        requests: token-mode or hash-mode kvevict requests, in order.
+        requests: token-mode or hash-mode kvevict requests, in order (or a `GPUStream`).
         policy: ``"vllm:lru"`` (stock vLLM) or an online kvevict policy name (the plugin).
         capacity_blocks: usable blocks in the GPU pool.
         block_size: tokens per block (a Mooncake trace's own: 512).
@@ -166,6 +182,8 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
         time: the policies' clock: ``"index"`` or ``"arrival"`` (seconds).
         check_every: check the plugin's records against vLLM's pool every this many
             requests (0: never).
+        records: keep a `ReplayRecord` per request (its ``token_hits`` is vLLM's
+            ``RequestOutput.num_cached_tokens`` for the same request in an engine).
 
     Returns:
         A `ReplayResult`: vLLM's token counters, full blocks looked up and hit, cached blocks
@@ -175,23 +193,25 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
         raise ConfigError(f"time must be 'index' or 'arrival', got {time!r}")
     if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
         raise ConfigError(f"check_every must be a non-negative int, got {check_every!r}")
-    reqs = list(requests)
-    for req in reqs:
-        if not isinstance(req, Request):
-            raise ConfigError(f"replay_gpu takes kvevict Requests, got {type(req).__name__}")
+    stream = requests if isinstance(requests, GPUStream) else GPUStream(requests, block_size)
+    if stream.block_size != block_size:
+        raise ConfigError(f"the stream's prompts were cut for blocks of {stream.block_size} "
+                          f"tokens, not {block_size}")
+    reqs = stream.requests
     clock = ManualClock()
     manager, tier = make_gpu_manager(policy, capacity_blocks, block_size=block_size,
                                      params=params, clock=clock,
                                      max_model_len=max([r.prompt_len for r in reqs] +
                                                        [block_size]) + block_size)
-    stream = [(float(req.arrival) if time == "arrival" else float(i), str(req.request_id),
-               prompt_tokens(req, block_size, i), req.session_id) for i, req in enumerate(reqs)]
-    hasher = _hasher(block_size)
+    hasher = block_hasher(block_size)
     params_v = SamplingParams(max_tokens=1)
     pool = manager.block_pool
     start = _time.perf_counter()
     accesses = hits = queries = token_hits = rejected = cached = 0
-    for i, (t, req_id, tokens, session) in enumerate(stream):
+    kept: list[ReplayRecord] | None = [] if records else None
+    for i, (req, tokens) in enumerate(zip(reqs, stream.tokens)):
+        t = float(req.arrival) if time == "arrival" else float(i)
+        req_id, session = str(req.request_id), req.session_id
         clock.set(t)
         vreq = VllmRequest(req_id, tokens, params_v, None, arrival_time=t,
                            block_hasher=hasher,
@@ -206,6 +226,9 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
             token_hits += found
             hits += found // block_size
             cached += full - found // block_size
+        if kept is not None:
+            kept.append(ReplayRecord(i, req_id, full, (found or 0) // block_size,
+                                     vreq.num_tokens, found or 0, found is None))
         if check_every and tier is not None and (i + 1) % check_every == 0:
             tier.check()
     seconds = _time.perf_counter() - start
@@ -218,7 +241,8 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
                         capacity_blocks=capacity_blocks, block_size=block_size,
                         requests=len(reqs), accesses=accesses, hits=hits,
                         token_queries=queries, token_hits=token_hits, evictions=evictions,
-                        rejected=rejected, seconds=seconds)
+                        rejected=rejected, seconds=seconds,
+                        records=None if kept is None else tuple(kept))
 
 
 def replay_gpu_table(requests: Iterable[Request], policies: Sequence[str],
@@ -250,11 +274,11 @@ def replay_gpu_table(requests: Iterable[Request], policies: Sequence[str],
         _positive_int("capacities", size)
     for policy in policies:  # a bad name fails before any replay runs
         make_gpu_manager(policy, 1, block_size=block_size)
-    reqs = list(requests)
+    stream = GPUStream(requests, block_size)
     results = []
     for policy in policies:
         for size in sizes:
-            results.append(replay_gpu(reqs, policy, size, block_size=block_size, time=time))
+            results.append(replay_gpu(stream, policy, size, block_size=block_size, time=time))
             if progress is not None:
                 progress(policy, size)
     return ReplayTable(policies, sizes, results)
