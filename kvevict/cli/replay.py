@@ -15,8 +15,12 @@ trace, and ``belady`` reads its future from a next-use file written by a first p
 ``--engine vllm-offload`` replays the same trace through vLLM's real ``CPUOffloadingManager``
 instead (`kvevict.adapters.vllm.replay.replay_offload_table`: no model, no GPU), with vLLM's
 own policies (``vllm:lru``, ``vllm:arc``) or any online kvevict policy through the adapter;
-``--sizes`` are then offload chunks of ``--block-size`` tokens. It needs vLLM installed
-(docs/vllm.md); without it the command stops with one line naming the install command.
+``--sizes`` are then offload chunks of ``--block-size`` tokens. ``--engine vllm`` replays it
+through vLLM's real GPU-tier ``KVCacheManager`` (`kvevict.adapters.vllm.gpu_replay.
+replay_gpu_table`: vLLM hashes the prompts' tokens itself), stock (``vllm:lru``) or with any
+online kvevict policy through the GPU-tier plugin; ``--sizes`` are then GPU blocks. Both need
+vLLM installed (docs/vllm.md); without it the command stops with one line naming the install
+command.
 """
 
 from __future__ import annotations
@@ -47,8 +51,12 @@ __all__ = ["DEFAULT_SIZES", "ENGINES", "add_parser", "replay_command"]
 
 DEFAULT_SIZES = (1000, 2000, 5000, 10000, 20000)
 METRICS = ("block_hit_ratio", "token_hit_ratio", "evictions", "hits")
-#: ``--engine``: kvevict's own block manager, or vLLM's real offload-tier manager.
-ENGINES = ("kvevict", "vllm-offload")
+#: ``--engine``: kvevict's own block manager, vLLM's real offload-tier manager, or vLLM's
+#: real GPU-tier ``KVCacheManager``.
+ENGINES = ("kvevict", "vllm-offload", "vllm")
+#: What ``--sizes`` count, and what the header names, per vLLM engine.
+_VLLM_ENGINES = {"vllm-offload": ("offload chunks", "vLLM's CPUOffloadingManager"),
+                 "vllm": ("GPU blocks", "vLLM's KVCacheManager (GPU tier)")}
 #: Updates of each pass's progress bar (on a terminal; a log gets one line per update, so
 #: `LOG_STEPS` of them).
 BAR_STEPS = 40
@@ -69,13 +77,15 @@ def add_parser(sub: Any) -> None:
                           f"{','.join(map(str, DEFAULT_SIZES))})")
     rep.add_argument("--engine", choices=ENGINES, default="kvevict",
                      help="whose bookkeeping replays the trace: kvevict's block manager (the "
-                          "default) or vLLM's real CPUOffloadingManager (needs vLLM; sizes "
-                          "in offload chunks)")
+                          "default), vLLM's real CPUOffloadingManager (vllm-offload; sizes in "
+                          "offload chunks) or vLLM's real GPU-tier KVCacheManager (vllm; "
+                          "sizes in GPU blocks); the vLLM engines need vLLM")
     rep.add_argument("--policies", default=None,
                      help="comma-separated policy names, and 'infinite' for the infinite "
                           "cache (default: every registered online policy, then "
                           "horizon-oracle, reuse-oracle, belady and infinite; with --engine "
-                          "vllm-offload: vllm:lru, vllm:arc and every registered online one)")
+                          "vllm-offload: vllm:lru, vllm:arc and every registered online one; "
+                          "with --engine vllm: vllm:lru and every registered online one)")
     rep.add_argument("--horizons", type=float_list, default=None, metavar="H,...",
                      help="the horizon oracle at each H (seconds with --time arrival, "
                           "requests with --time index): one row 'horizon-oracle H=...' each, "
@@ -176,22 +186,28 @@ def _policies(args: argparse.Namespace) -> list[str]:
     return default_policies()
 
 
-def _vllm_replay():
-    """`replay_offload_table` and `VLLM_POLICIES`, or a `ConfigError` naming the install
-    command when vLLM is absent (or not a supported version)."""
+def _vllm_replay(engine: str = "vllm-offload"):
+    """The table function and vLLM's own policy names of ``engine`` (``vllm-offload``:
+    `replay_offload_table`; ``vllm``: `replay_gpu_table`), or a `ConfigError` naming the
+    install command when vLLM is absent (or not a supported version)."""
     from kvevict.adapters.vllm import vllm_version
 
     try:
         vllm_version()
     except ImportError as exc:
-        raise ConfigError(f"--engine vllm-offload: {exc}") from None
+        raise ConfigError(f"--engine {engine}: {exc}") from None
+    if engine == "vllm":
+        from kvevict.adapters.vllm.gpu_replay import VLLM_GPU_POLICIES, replay_gpu_table
+
+        return replay_gpu_table, VLLM_GPU_POLICIES
     from kvevict.adapters.vllm.replay import VLLM_POLICIES, replay_offload_table
 
     return replay_offload_table, VLLM_POLICIES
 
 
-def _offload_policies(args: argparse.Namespace, vllm_policies: tuple[str, ...]) -> list[str]:
-    """``--policies`` for ``--engine vllm-offload``: vLLM's own names or online kvevict ones
+def _offload_policies(args: argparse.Namespace, vllm_policies: tuple[str, ...],
+                      engine: str = "vllm-offload") -> list[str]:
+    """``--policies`` for a vLLM ``engine``: vLLM's own names or online kvevict ones
     (default: vLLM's, then every registered online kvevict policy)."""
     from kvevict.cli.common import csv_list
     from kvevict.policies import available_policies
@@ -205,7 +221,7 @@ def _offload_policies(args: argparse.Namespace, vllm_policies: tuple[str, ...]) 
     names = csv_list(args.policies)
     offline = [p for p in names if p in available_policies() and is_offline(p)]
     if offline:
-        raise ConfigError(f"--engine vllm-offload takes online policies; {offline[0]} is "
+        raise ConfigError(f"--engine {engine} takes online policies; {offline[0]} is "
                           "offline (it needs the future)")
     unknown = [p for p in names if p not in online and p not in vllm_policies]
     if unknown or not names:
@@ -248,30 +264,31 @@ def replay_command(args: argparse.Namespace) -> int:
     if horizons is not None and not horizons:
         raise ConfigError("--horizons needs at least one H (a number of seconds with --time "
                           "arrival, of requests with --time index)")
-    if engine == "vllm-offload":
+    if engine in _VLLM_ENGINES:
         if horizons is not None:
-            raise ConfigError("--horizons is for --engine kvevict: the horizon oracle is "
-                              "offline, and --engine vllm-offload runs online policies only")
+            raise ConfigError(f"--horizons is for --engine kvevict: the horizon oracle is "
+                              f"offline, and --engine {engine} runs online policies only")
         if args.records:
-            raise ConfigError("--records is for --engine kvevict; the vllm-offload replay "
+            raise ConfigError(f"--records is for --engine kvevict; the {engine} replay "
                               "keeps no per-request records")
         if args.workdir is not None:
-            raise ConfigError("--workdir holds belady's next-use files, for --engine "
-                              "kvevict; --engine vllm-offload runs online policies only")
-        run_table, vllm_policies = _vllm_replay()
-        policies = _offload_policies(args, vllm_policies)
+            raise ConfigError(f"--workdir holds belady's next-use files, for --engine "
+                              f"kvevict; --engine {engine} runs online policies only")
+        run_table, vllm_policies = _vllm_replay(engine)
+        policies = _offload_policies(args, vllm_policies, engine)
     else:
         policies = _policies(args)
     trace, block_size = open_trace(args.trace, args.format, block_size=args.block_size,
                                    time=args.time)
-    if engine == "vllm-offload":
+    if engine in _VLLM_ENGINES:
+        unit = _VLLM_ENGINES[engine][0]
+
         def cell_done(policy: str, size: int) -> None:
             if not args.quiet:
-                print(f"vllm-offload: {policy} at {size:,} chunks done", file=sys.stderr)
+                print(f"{engine}: {policy} at {size:,} {unit} done", file=sys.stderr)
 
         table = run_table(trace, policies, sizes, block_size, time=args.time,
                           progress=cell_done)
-        unit = "offload chunks"
     else:
         total = 0 if args.quiet else trace.count()
         table = replay_table(trace, policies, sizes, block_size, time=args.time,
@@ -283,7 +300,7 @@ def replay_command(args: argparse.Namespace) -> int:
     requests = table.results[0].requests if table.results else 0
     print(f"trace {args.trace} ({args.format}): {requests:,} requests; {unit} of "
           f"{block_size} tokens; time axis {args.time}"
-          + ("; vLLM's CPUOffloadingManager" if engine == "vllm-offload" else ""))
+          + (f"; {_VLLM_ENGINES[engine][1]}" if engine in _VLLM_ENGINES else ""))
     print(format_table(table, args.metric))
     if tiers is not None:
         from kvevict.replay import format_tier_table
@@ -302,7 +319,7 @@ def replay_command(args: argparse.Namespace) -> int:
         }
         if horizons is not None:  # an infinite H as "inf" (JSON has no infinity)
             payload["horizons"] = [h if math.isfinite(h) else "inf" for h in horizons]
-        if engine == "vllm-offload":
+        if engine in _VLLM_ENGINES:
             from kvevict.adapters.vllm import vllm_version
 
             payload["vllm_version"] = vllm_version()

@@ -1,4 +1,4 @@
-"""vLLM adapter: any kvevict residency `Policy` inside vLLM's CPU offload tier.
+"""vLLM adapter: any kvevict residency `Policy` inside vLLM's two KV tiers.
 
 - `KVEvictCachePolicy` (`kvevict.adapters.vllm.offload`): a
   ``vllm.v1.kv_offload.cpu.policies.base.CachePolicy`` that runs a registered kvevict policy
@@ -6,6 +6,11 @@
   ``kv_connector_extra_config`` (see ``docs/vllm.md``).
 - `replay_offload` (`kvevict.adapters.vllm.replay`): a trace replayed through vLLM's real
   ``CPUOffloadingManager``, no engine and no GPU, with a kvevict policy or vLLM's own.
+- The GPU tier (`kvevict.adapters.vllm.gpu`): vLLM's prefix cache itself evicts with a
+  kvevict policy. `register_gpu_plugin` is the ``vllm.general_plugins`` entry point: with
+  ``KVEVICT_VLLM_POLICY`` unset it does nothing (and imports nothing); set, it installs the
+  policy in the vLLM process. `replay_gpu` (`kvevict.adapters.vllm.gpu_replay`): a trace
+  replayed through vLLM's real ``KVCacheManager``.
 
 This is the only place kvevict imports vLLM, and this module itself does not: importing
 ``kvevict.adapters.vllm`` works without vLLM; the names above import it when first used and
@@ -26,7 +31,10 @@ __all__ = [
     "SUPPORTED_VLLM",
     "KVEvictCachePolicy",
     "check_vllm_version",
+    "gpu_policy",
     "offload_policy",
+    "register_gpu_plugin",
+    "replay_gpu",
     "replay_offload",
     "vllm_version",
 ]
@@ -42,6 +50,8 @@ _LAZY = {
     "KVEvictCachePolicy": "kvevict.adapters.vllm.offload",
     "offload_policy": "kvevict.adapters.vllm.offload",
     "replay_offload": "kvevict.adapters.vllm.replay",
+    "gpu_policy": "kvevict.adapters.vllm.gpu",
+    "replay_gpu": "kvevict.adapters.vllm.gpu_replay",
 }
 
 
@@ -74,6 +84,27 @@ def check_vllm_version(version: str | None = None) -> str:
         f"API is experimental and changes between releases. Install a supported vLLM, or set "
         f"{ALLOW_UNTESTED_ENV}=1 to try this one at your own risk"
     )
+
+
+def register_gpu_plugin() -> None:
+    """vLLM's ``vllm.general_plugins`` entry point (loaded in every vLLM process).
+
+    With ``KVEVICT_VLLM_POLICY`` unset or empty it returns at once: stock vLLM. Set, it
+    parses the environment (`kvevict.adapters.vllm.gpu.GPUConfig.from_env`) and installs
+    the policy (`kvevict.adapters.vllm.gpu.install`).
+
+    Raises:
+        ConfigError: a bad variable, an unknown policy or parameter, or an unsupported vLLM;
+            vLLM does not catch it, so the server stops at start with this message rather
+            than run a policy other than the one asked for.
+    """
+    if not os.environ.get("KVEVICT_VLLM_POLICY", "").strip():
+        return
+    from kvevict.adapters.vllm.gpu import GPUConfig, install
+
+    config = GPUConfig.from_env()
+    if config is not None:
+        install(config)
 
 
 def __getattr__(name: str) -> Any:
