@@ -5,6 +5,8 @@ policies priced with the tiers' reload costs, untiered runs unchanged, the CLI's
 from __future__ import annotations
 
 import math
+import re
+from typing import ClassVar
 
 import pytest
 
@@ -141,7 +143,7 @@ def test_untiered_results_are_unchanged_when_nothing_is_evicted():
 class CostCapture(LRU):
     """LRU that keeps the cost model it was built with."""
 
-    built: list = []
+    built: ClassVar[list] = []
 
     def __init__(self, cost_model: CostModel | None = None) -> None:
         super().__init__()
@@ -239,7 +241,7 @@ def test_a_study_cell_runs_with_its_tiers():
     assert own["tiers"]["prefetch"]["enabled"] is True
     with pytest.raises(ConfigError, match="only a timed cell has memory tiers"):
         Cell("lru", 64, 0, mode="replay", tiers=TierConfig(64))
-    with pytest.raises(ConfigError, match="tiers must be a kvevict.sim.TierConfig"):
+    with pytest.raises(ConfigError, match=r"tiers must be a kvevict\.sim\.TierConfig"):
         Study(Source(workload="chat-steady"), preset("llama-3-8b"), 16, CostModel(), tiers=3)
 
 
@@ -270,8 +272,6 @@ def test_cli_rejects_bad_tier_sizes(flags, match, capsys):
     assert cli(*flags) == 2
     err = capsys.readouterr().err
     assert "error:" in err
-    import re
-
     assert re.search(match, err), err
 
 
