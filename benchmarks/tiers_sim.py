@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
         out["workloads"][name] = {"scale": scale, "rho": rho, "working_set_blocks": wset,
                                   "gpu_blocks": gpu, "fraction": args.fraction,
                                   "seconds": seconds, "cells": rows}
-        print(tables(name, out["workloads"][name], args), flush=True)
+        print(tables(name, out["workloads"][name], out), flush=True)
     return out
 
 
@@ -129,7 +129,10 @@ def _col(cells: dict, key: str) -> dict:
     return {s: float(c[key]) for s, c in cells.items()}
 
 
-def tables(name: str, w: dict, args: argparse.Namespace) -> str:
+def tables(name: str, w: dict, out: dict) -> str:
+    """The tables of one workload (``w``) of a run's results (``out``)."""
+    args = argparse.Namespace(host_x=out["host_x"], policies=out["policies"],
+                              prefetch_x=out["prefetch_x"])
     cells, gpu = w["cells"], w["gpu_blocks"]
     lines = [f"### {name}: ρ {w['rho']:.2f} (rate x{w['scale']:.3g}), working set "
              f"{w['working_set_blocks']:,.0f} blocks, GPU KV {gpu:,} blocks "
@@ -225,8 +228,27 @@ def plot(out: dict, png: Path) -> None:
 
     names = list(out["workloads"])
     colors = {"lru": "#444444", "market": "#d7301f", "bayes": "#2b8cbe"}
-    fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 4.0))
-    for ax, name in zip(np.atleast_1d(axes), names, strict=True):
+    fig, axes = plt.subplots(2, len(names), figsize=(5.2 * len(names), 7.4), squeeze=False)
+    for ax, name in zip(axes[1], names, strict=True):  # paired by seed against GPU-only LRU
+        w = out["workloads"][name]
+        xs = out["host_x"]
+        base = _col(w["cells"]["lru@0"], "ttft_p95")
+        for i, p in enumerate(out["policies"]):
+            ivs = [paired({s: 100 * (v / base[s] - 1) for s, v in
+                           _col(w["cells"][f"{p}@{x:g}"], "ttft_p95").items()},
+                          dict.fromkeys(base, 0.0)) for x in xs]
+            ax.errorbar([x + (i - 1) * 0.06 for x in xs], [iv.mean for iv in ivs],
+                        yerr=[iv.half if iv.known else 0 for iv in ivs], marker="o",
+                        capsize=3, color=colors.get(p), label=f"{p} (tiered)")
+        ax.axhline(-50, color="#999999", ls="--", lw=1, label="−50%: issue 15's target")
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xticks(xs, [("GPU only" if x == 0 else f"{x:g}x") for x in xs])
+        ax.set_xlabel(f"host tier / GPU KV ({w['gpu_blocks']:,} blocks)")
+        ax.set_ylabel("p95 TTFT vs GPU-only LRU (%),\npaired by seed, 95% CI")
+        ax.set_ylim(-60, 10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="center right")
+    for ax, name in zip(axes[0], names, strict=True):
         w = out["workloads"][name]
         xs = out["host_x"]
         for i, p in enumerate(out["policies"]):
@@ -250,7 +272,7 @@ def plot(out: dict, png: Path) -> None:
         ax.set_ylim(bottom=0)
         ax.set_title(f"{name}: GPU KV {w['fraction']:g}x the working set, ρ {w['rho']:.2f}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower left")
+        ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"A host KV tier on one L4 (Llama-3-8B, PCIe Gen4 host link), "
                  f"{len(out['seeds'])} seeds", fontsize=10)
     fig.tight_layout()
@@ -272,7 +294,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-load", type=float, default=0.7)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write results.json and the PNG")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="print the tables and draw the PNG (into --out) of a results.json "
+                             "written before, without running")
     args = parser.parse_args(argv)
+    if args.from_json is not None:
+        out = json.loads(args.from_json.read_text())
+        for w in out["workloads"].values():  # JSON keys are strings: seeds back to ints
+            w["cells"] = {k: {int(s): c for s, c in v.items()} for k, v in w["cells"].items()}
+        for name, w in out["workloads"].items():
+            print(tables(name, w, out))
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            plot(out, args.out / "tiers_sim.png")
+        return 0
     if 0.0 not in args.host_x or args.prefetch_x not in args.host_x or "lru" not in \
             args.policies:
         parser.error("--host-x must hold 0 and --prefetch-x, and --policies lru")
