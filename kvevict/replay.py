@@ -77,11 +77,12 @@ from kvevict.policies.registry import (
     online_first,
 )
 from kvevict.pool import BlockPool
+from kvevict.tiers import TierStack
 from kvevict.types import ManualClock, Request
 
 __all__ = ["INFINITE", "ORACLES", "ReplayRecord", "ReplayResult", "ReplayTable",
-           "default_policies", "format_table", "horizon_label", "main", "open_trace", "replay",
-           "replay_table"]
+           "default_policies", "format_table", "format_tier_table", "horizon_label", "main",
+           "open_trace", "replay", "replay_table"]
 
 #: ``progress(phase, requests done)`` is called every this many requests (and at the end).
 PROGRESS_EVERY = 1000
@@ -143,6 +144,17 @@ class ReplayResult:
     #: by the cells of a `replay_table` and not counted
     seconds: float = 0.0
     records: tuple[ReplayRecord, ...] | None = None  #: per request, with ``records=True``
+    #: with ``tiers=``: ``hits`` (blocks served by each tier, ``"device"`` the pool's;
+    #: ``hits`` above is their sum) and the `kvevict.tiers.TierStats` counters (bytes read
+    #: and written per tier, demotions, drops by reason)
+    tiers: dict[str, Any] | None = None
+
+    @property
+    def tier_hit_ratios(self) -> dict[str, float]:
+        """Blocks served by each tier over ``accesses`` (empty without tiers)."""
+        if not self.tiers or not self.accesses:
+            return {}
+        return {name: n / self.accesses for name, n in self.tiers["hits"].items()}
 
     @property
     def block_hit_ratio(self) -> float:
@@ -246,7 +258,7 @@ class _Cell:
 
     def __init__(self, label: str, policy: Policy, capacity_blocks: int, block_size: int,
                  extra_key: Any, check_every: int, records: bool, seconds: float,
-                 closes: bool = False) -> None:
+                 closes: bool = False, tiers: TierStack | None = None) -> None:
         self.label = label
         self.closes = closes
         self.capacity_blocks = capacity_blocks
@@ -254,7 +266,7 @@ class _Cell:
         self.policy = policy
         self.clock = ManualClock(0.0)
         self.manager = KVCacheManager(BlockPool(capacity_blocks, block_size), policy,
-                                      clock=self.clock, extra_key=extra_key)
+                                      clock=self.clock, extra_key=extra_key, tiers=tiers)
         self.check_every = check_every
         self.records: list[ReplayRecord] | None = [] if records else None
         self.requests = self.rejected = self.rejected_blocks = self.rejected_tokens = 0
@@ -298,6 +310,9 @@ class _Cell:
         if self.closes:
             self.policy.close()  # type: ignore[attr-defined]
         stats = self.manager.stats
+        stack = self.manager.tiers
+        tiers = None if stack is None else {"hits": stack.hits_by_tier(stats.block_hits),
+                                            **stack.stats.as_dict()}
         return ReplayResult(
             policy=self.label,
             capacity_blocks=self.capacity_blocks,
@@ -311,6 +326,7 @@ class _Cell:
             rejected=self.rejected,
             seconds=self.seconds,
             records=None if self.records is None else tuple(self.records),
+            tiers=tiers,
         )
 
 
@@ -320,7 +336,8 @@ Progress = Callable[[str, int], None]
 def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dict[str, Any]]],
          sizes: Sequence[int], block_size: int, time: str, extra_key: Any, check_every: int,
          records: bool, progress: Progress | None,
-         workdir: str | os.PathLike[str] | None) -> list[ReplayResult]:
+         workdir: str | os.PathLike[str] | None,
+         tiers: Callable[[], TierStack] | None = None) -> list[ReplayResult]:
     """Replay every (label, policy, params) of ``cells`` at every size, from one pass over
     ``requests`` (two when Belady streams its future; see the module docstring)."""
     source: Iterable[Request] = requests
@@ -342,7 +359,7 @@ def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dic
             if one_shot:
                 source = future.spilled()
         running = [_make_cell(label, spec, params, size, block_size, time, extra_key,
-                              check_every, records, source, future)
+                              check_every, records, source, future, tiers)
                    for label, spec, params in cells for size in sizes]
         unbounded = []
         if infinite:
@@ -382,15 +399,19 @@ def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dic
 
 def _make_cell(label: str, spec: PolicySpec, params: dict[str, Any], size: int,
                block_size: int, time: str, extra_key: Any, check_every: int, records: bool,
-               source: Iterable[Request], future: NextUseFile | None) -> _Cell:
+               source: Iterable[Request], future: NextUseFile | None,
+               tiers: Callable[[], TierStack] | None = None) -> _Cell:
     start = _time.perf_counter()
+    stack = None if tiers is None else _stack_of(tiers)
+    if stack is not None:  # a value-aware policy prices a block with its reload
+        params = stack.policy_params(spec, params, block_size=block_size)
     if _streams(spec, params):
         assert future is not None
         cls = POLICIES.get(spec)
         policy: Policy = cls.from_next_uses(future, size, time=time,  # type: ignore
                                             **params)
         return _Cell(label, policy, size, block_size, extra_key, check_every, records,
-                     _time.perf_counter() - start, closes=True)
+                     _time.perf_counter() - start, closes=True, tiers=stack)
     if _needs_list(spec, params):
         reqs = source if isinstance(source, list) else list(source)  # a list (see _run)
         axis = _Axis(time)
@@ -403,7 +424,15 @@ def _make_cell(label: str, spec: PolicySpec, params: dict[str, Any], size: int,
     else:
         policy = build_policy(spec, params)
     return _Cell(label, policy, size, block_size, extra_key, check_every, records,
-                 _time.perf_counter() - start)
+                 _time.perf_counter() - start, tiers=stack)
+
+
+def _stack_of(tiers: Callable[[], TierStack]) -> TierStack:
+    stack = tiers() if callable(tiers) else None
+    if not isinstance(stack, TierStack):
+        raise ConfigError("tiers must be a zero-argument factory returning a fresh "
+                          f"kvevict.tiers.TierStack (one per replay), got {tiers!r}")
+    return stack
 
 
 def _check_spec(policy: PolicySpec, params: Mapping[str, Any]) -> None:
@@ -421,7 +450,7 @@ def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int
            block_size: int = 512, *, time: str = "index", extra_key: Any = None,
            check_every: int = 0, label: str | None = None, records: bool = False,
            progress: Progress | None = None, workdir: str | os.PathLike[str] | None = None,
-           **policy_params: Any) -> ReplayResult:
+           tiers: Callable[[], TierStack] | None = None, **policy_params: Any) -> ReplayResult:
     """Replay ``requests`` through one policy at one pool size (semantics: module docstring).
 
     Args:
@@ -446,6 +475,9 @@ def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int
             first pass, ``"replay"`` for the replay.
         workdir: where Belady's next-use files go (default: the system's temporary
             directory); they are removed when the replay ends.
+        tiers: a zero-argument factory returning a fresh `kvevict.tiers.TierStack`
+            (metadata-only): blocks evicted from the pool are demoted there and a hit there
+            is a reload, counted by tier in `ReplayResult.tiers`.
         policy_params: parameters of a policy given by name.
     """
     _positive_int("capacity_blocks", capacity_blocks)
@@ -457,7 +489,8 @@ def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int
     _check_spec(policy, policy_params)
     name = label if label is not None else _label(policy)
     (result,) = _run(requests, [(name, policy, dict(policy_params))], [capacity_blocks],
-                     block_size, time, extra_key, check_every, records, progress, workdir)
+                     block_size, time, extra_key, check_every, records, progress, workdir,
+                     tiers)
     return result
 
 
@@ -493,7 +526,8 @@ def replay_table(requests: Iterable[Request],
                  extra_key: Any = None, records: bool = False,
                  progress: Progress | None = None,
                  workdir: str | os.PathLike[str] | None = None,
-                 horizons: Iterable[float] | None = None) -> ReplayTable:
+                 horizons: Iterable[float] | None = None,
+                 tiers: Callable[[], TierStack] | None = None) -> ReplayTable:
     """Replay every policy at every capacity, all from one pass over ``requests`` (two with
     an oracle or the infinite cache), each cell as `replay` would.
 
@@ -517,6 +551,7 @@ def replay_table(requests: Iterable[Request],
             ``"horizon-oracle"`` row at its default H (`DEFAULT_HORIZON`), or, when the list
             does not name it, after the last policy that is not `INFINITE`. None: only the
             row of the default H, if the list names it.
+        tiers: as for `replay` (a fresh stack per cell; the infinite cache has none).
     """
     _check_source(requests)
     if policies is None:  # the online policies, then the oracles and the infinite cache
@@ -542,7 +577,7 @@ def replay_table(requests: Iterable[Request],
     _positive_int("block_size", block_size)
     _check_time(time)
     results = _run(requests, cells, sizes, block_size, time, extra_key, 0, records, progress,
-                   workdir)
+                   workdir, tiers)
     return ReplayTable([lbl for lbl, _, _ in cells], sizes, results)
 
 
@@ -586,6 +621,32 @@ def format_table(table: ReplayTable, metric: str = "block_hit_ratio", digits: in
             value = getattr(table.get(p, c), metric)
             cells.append(f"{value:.{digits}f}" if isinstance(value, float) else f"{value:,}")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_tier_table(table: ReplayTable, digits: int = 4) -> str:
+    """A Markdown table of a tiered replay: per (policy, size), the hit ratio of each tier
+    and in all, and the GiB read from and written to each lower tier."""
+    first = next((r for r in table.results if r.tiers), None)
+    if first is None:
+        raise ConfigError("the table has no tiered results (replay with tiers=)")
+    names = list(first.tiers["hits"])  # type: ignore[index]
+    lower = names[1:]
+    header = ("| policy | pool blocks | " + " | ".join(f"hit {n}" for n in names)
+              + " | hit total | " + " | ".join(f"GiB read {n} | GiB written {n}" for n in lower)
+              + " |")
+    rule = "|---|---:|" + "---:|" * (len(names) + 1 + 2 * len(lower))
+    lines = [header, rule]
+    for r in table.results:
+        if not r.tiers:
+            continue
+        ratios = r.tier_hit_ratios
+        cells = [f"{ratios.get(n, 0.0):.{digits}f}" for n in names]
+        cells.append(f"{r.block_hit_ratio:.{digits}f}")
+        for n in lower:
+            cells.append(f"{r.tiers['bytes_read'].get(n, 0) / 2 ** 30:,.1f}")
+            cells.append(f"{r.tiers['bytes_written'].get(n, 0) / 2 ** 30:,.1f}")
+        lines.append(f"| {r.policy} | {r.capacity_blocks:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

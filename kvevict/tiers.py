@@ -21,9 +21,9 @@ faster than recomputing it, and is dropped otherwise, or when there is no tier `
     reload_seconds(k + 1) = sum over the hops up to the device of (latency + nbytes / read_bw)
     recompute_seconds     = CostModel.recompute_seconds(depth, block_size)
 
-This is the rule of InferCept (Abhyankar et al., ICML'24, section 4: per intercepted request,
+This is the rule of InferCept (Abhyankar et al., ICML'24: per intercepted request,
 swap when the transfer costs less than the recomputation, which grows with the context) and
-of CachedAttention (Gao et al., USENIX ATC'24, section 3: saving to host and disk happens
+of CachedAttention (Gao et al., USENIX ATC'24: saving to host and disk happens
 asynchronously and off the critical path, so only the reload is charged). Recomputation grows
 with depth and a reload does not, so shallow blocks are dropped and deep ones kept. A block
 whose descendants live in lower tiers is demoted regardless of its own cost (dropping it
@@ -557,6 +557,10 @@ class Tier:
         self.policy_spec = policy
         self.policy_params = dict(policy_params)
         self.policy: Policy | None = None
+        self._pop: Any = None  # the policy's pop_victim, when it agrees with victim
+        self._on_candidate: Any = None
+        self._on_insert: Any = None
+        self._frees = False
         self.index = 0  #: its position in the stack (1 = right below the pool), set by it
         self._records: dict[int, BlockInfo] = {}
         self.records: Mapping[int, BlockInfo] = _view(self._records)
@@ -599,11 +603,11 @@ class Tier:
         block.tier = self.name
         block.ref_count = 0
         self._records[slot] = block
-        policy = self.policy
-        policy.on_insert(block, now)  # type: ignore[union-attr]
+        if self._on_insert is not None:
+            self._on_insert(block, now)
         if not block.num_children:
             self._candidates[slot] = block
-            policy.on_candidate(block, now)  # type: ignore[union-attr]
+            self._on_candidate(block, now)
         return slot
 
     def remove(self, block: BlockInfo, now: float) -> None:
@@ -613,20 +617,67 @@ class Tier:
         slot = block.block_id
         if self._records.get(slot) is not block:
             raise ConfigError(f"block {slot} is not in tier {self.name!r}")
-        del self._records[slot]
         self._candidates.pop(slot, None)
         self._held.pop(slot, None)
         self.policy.on_evict(block, now)  # type: ignore[union-attr]
-        self.store.free(slot, block)
+        self._release(block, now)
+
+    def peek_victim(self, now: float) -> BlockInfo | None:
+        """The candidate the policy would evict (nothing changes), or None."""
+        if not self._candidates:
+            return None
+        victim_id = self.policy.victim(now)  # type: ignore[union-attr]
+        block = self._candidates.get(victim_id)
+        if block is None:
+            raise PolicyError(f"{self.policy!r}.victim() in tier {self.name!r} returned "
+                              f"{victim_id!r}, which is not one of its candidates",
+                              policy=self.policy, event="victim", block_id=victim_id)
+        return block
+
+    def pop_victim(self, now: float) -> BlockInfo | None:
+        """Take out the candidate the policy names (as `remove` would), or None when there
+        is none."""
+        candidates = self._candidates
+        if not candidates:
+            return None
+        pop = self._pop
+        victim_id = pop(now) if pop is not None else \
+            self.policy.victim(now)  # type: ignore[union-attr]
+        block = candidates.pop(victim_id, None)
+        if block is None:
+            raise PolicyError(f"{self.policy!r}.victim() in tier {self.name!r} returned "
+                              f"{victim_id!r}, which is not one of its candidates",
+                              policy=self.policy, event="victim", block_id=victim_id)
+        if pop is None:
+            self.policy.on_evict(block, now)  # type: ignore[union-attr]
+        self._release(block, now)
+        return block
+
+    def _release(self, block: BlockInfo, now: float) -> None:
+        slot = block.block_id
+        del self._records[slot]
+        if self._frees:
+            self.store.free(slot, block)
         self._free.append(slot)
         parent = block.parent
         if parent is not None and parent.tier == self.name and \
                 self._records.get(parent.block_id) is parent:
-            parent.num_children -= 1
-            if not parent.num_children and parent.block_id not in self._held:
+            n = parent.num_children - 1
+            parent.num_children = n
+            if not n and parent.block_id not in self._held:
                 self._candidates[parent.block_id] = parent
                 self.policy.on_candidate(parent, now)  # type: ignore[union-attr]
         block.tier = "dropped"
+
+    def bind_policy(self, policy: Policy, block_size: int) -> None:
+        """Take ``policy`` (the stack builds it, priced for this tier)."""
+        policy.bind(block_size)
+        self.policy = policy
+        self._pop = _pop_victim_of(policy)
+        self._on_candidate = policy.on_candidate
+        self._on_insert = None if type(policy).on_insert is Policy.on_insert else \
+            policy.on_insert
+        self._frees = self.store.holds_data
 
     def hold(self, block: BlockInfo, now: float) -> None:
         """Keep ``block`` from being evicted (a reload is under way)."""
@@ -644,24 +695,26 @@ class Tier:
             self._candidates[slot] = block
             self.policy.on_candidate(block, now)  # type: ignore[union-attr]
 
-    def victim(self, now: float) -> BlockInfo | None:
-        """The candidate the policy would evict, or None when there is none."""
-        if not self._candidates:
-            return None
-        victim_id = self.policy.victim(now)  # type: ignore[union-attr]
-        block = self._candidates.get(victim_id)
-        if block is None:
-            raise PolicyError(f"{self.policy!r}.victim() in tier {self.name!r} returned "
-                              f"{victim_id!r}, which is not one of its candidates",
-                              policy=self.policy, event="victim", block_id=victim_id)
-        return block
-
     def __len__(self) -> int:
         return len(self._records)
 
     def __repr__(self) -> str:
         return (f"Tier({self.name!r}, blocks={len(self._records)}/{self.capacity_blocks}, "
                 f"policy={self.policy!r}, store={self.store!r})")
+
+
+def _pop_victim_of(policy: Policy) -> Any:
+    """``policy.pop_victim`` unless a subclass redefines ``victim`` or ``on_evict`` below the
+    class that defines it (then it is asked through those), as the manager does."""
+    mro = type(policy).__mro__
+
+    def owner(name: str) -> int:
+        return next(i for i, cls in enumerate(mro) if name in cls.__dict__)
+
+    pop = owner("pop_victim")
+    if mro[pop].__dict__["pop_victim"] is None or min(owner("victim"), owner("on_evict")) < pop:
+        return None
+    return policy.pop_victim  # type: ignore[attr-defined]
 
 
 def _view(d: dict) -> Mapping:
@@ -711,7 +764,12 @@ class TierStack:
         self.cost_model = cost_model if cost_model is not None else CostModel()
         self.demote_rule = demote
         self.model = model
-        self.stats = TierStats()
+        n = len(tiers)
+        self._demoted = [0] * (n + 1)  # blocks demoted into tier k
+        self._served = [0] * (n + 1)  # blocks reloaded from tier k
+        self._drops: dict[str, int] = {}
+        self._corrupt = 0
+        self._cost_rule = demote == "cost"
         self.pool: BlockPool | None = None
         self.block_size: int | None = None
         self.bytes_per_block = 0
@@ -724,6 +782,20 @@ class TierStack:
         self._recompute: dict[int, float] = {}  # depth -> recompute seconds
         self._reload_s: list[float] = []  # per-block reload seconds from tier k (index k)
         self._holds_data = False
+
+    @property
+    def stats(self) -> TierStats:
+        """What moved since the stack was built (a snapshot, `TierStats`)."""
+        nbytes = self.bytes_per_block
+        names = [t.name for t in self.tiers]
+        demoted, served = self._demoted, self._served
+        return TierStats(
+            hit_blocks={n: served[k] for k, n in enumerate(names, 1) if served[k]},
+            bytes_read={n: served[k] * nbytes for k, n in enumerate(names, 1) if served[k]},
+            bytes_written={n: demoted[k] * nbytes for k, n in enumerate(names, 1)
+                           if demoted[k]},
+            demotions={n: demoted[k] for k, n in enumerate(names, 1) if demoted[k]},
+            reloads=sum(served), drops=dict(self._drops), checksum_failures=self._corrupt)
 
     # -- binding -----------------------------------------------------------------------
 
@@ -752,17 +824,17 @@ class TierStack:
         self._reload_s = [0.0] + [self._path_seconds(k, 1) for k in range(1, len(self.tiers) + 1)]
         for tier in self.tiers:
             tier.store.bind(tier.capacity_blocks, layout, pool.dtype, pool.block_size, model)
-            tier.policy = make_policy(tier.policy_spec, **self.policy_params(
-                tier.policy_spec, tier.policy_params, tier.index))
-            tier.policy.bind(pool.block_size)
+            tier.bind_policy(make_policy(tier.policy_spec, **self.policy_params(
+                tier.policy_spec, tier.policy_params, tier.index)), pool.block_size)
         for tier in self.tiers:
             self._recover(tier)
 
     def policy_params(self, policy: Any, params: Mapping[str, Any] | None = None,
-                      tier: int = 0) -> dict[str, Any]:
+                      tier: int = 0, *, block_size: int | None = None) -> dict[str, Any]:
         """``params`` for building ``policy`` (a name) to serve tier ``tier`` (0: the pool):
         a policy that takes a ``cost_model`` gets `policy_cost_model` of that tier, built on
-        the ``cost_model`` given in ``params`` (else the stack's)."""
+        the ``cost_model`` given in ``params`` (else the stack's). ``block_size`` prices a
+        block before the stack is bound to a pool (a metadata-only one)."""
         out = dict(params or {})
         if not isinstance(policy, str):
             return out
@@ -777,10 +849,12 @@ class TierStack:
         except (TypeError, ValueError):
             accepts = False
         if accepts:
-            out["cost_model"] = self.policy_cost_model(tier, out.get("cost_model"))
+            out["cost_model"] = self.policy_cost_model(tier, out.get("cost_model"),
+                                                       block_size=block_size)
         return out
 
-    def policy_cost_model(self, tier: int = 0, base: CostModel | None = None) -> TierPricedCost:
+    def policy_cost_model(self, tier: int = 0, base: CostModel | None = None, *,
+                          block_size: int | None = None) -> TierPricedCost:
         """The cost model a policy of tier ``tier`` (0: the pool) prices blocks with
         (`TierPricedCost`): losing a block costs a reload from tier ``tier + 1`` (or a
         recompute when there is none, or it is cheaper), less the reload it costs already."""
@@ -791,7 +865,8 @@ class TierStack:
         if not isinstance(base, CostModel):
             raise ConfigError(f"cost_model must be a CostModel, got {type(base).__name__}")
         fields = {f.name: getattr(base, f.name) for f in attrs.fields(CostModel)}
-        nbytes = self.bytes_per_block or base.kv_bytes_per_token * (self.block_size or 16)
+        nbytes = self.bytes_per_block or base.kv_bytes_per_token * (
+            self.block_size or block_size or 16)
         loss = self._path_seconds(tier + 1, 1, nbytes) if tier < n else math.inf
         kept = self._path_seconds(tier, 1, nbytes) if tier else 0.0
         return TierPricedCost(**fields, loss_reload_s=loss, kept_reload_s=kept)
@@ -904,9 +979,9 @@ class TierStack:
     def hits_by_tier(self, device_hits: int) -> dict[str, int]:
         """Blocks served by each tier: ``device_hits`` (the manager's ``block_hits`` less
         the reloads) and every tier's reloads."""
-        out = {"device": device_hits - self.stats.reloads}
+        out = {"device": device_hits - sum(self._served)}
         for tier in self.tiers:
-            out[tier.name] = self.stats.hit_blocks.get(tier.name, 0)
+            out[tier.name] = self._served[tier.index]
         return out
 
     # -- moves (the manager's hooks) ------------------------------------------------------
@@ -921,43 +996,71 @@ class TierStack:
                force: bool = False) -> bool:
         """Put ``block`` (out of every tier, its KV in ``data``) in tier ``k`` or drop it;
         return whether it was placed."""
-        if k > len(self.tiers):
+        tiers = self.tiers
+        n = len(tiers)
+        if k > n:
             self._drop(block, "last_tier", now)
             return False
-        kids = self._below.get(block.block_hash)
-        if not (force or kids or self.worth_demoting(block, k)):
+        below = self._below
+        h = block.block_hash
+        if not force and self._cost_rule and h not in below and \
+                self._reload_s[k] >= self.recompute_seconds(block.depth):
             self._drop(block, "cost", now)
             return False
-        tier = self.tiers[k - 1]
-        if not tier.num_free and not self._make_room(tier, now):
+        tier = tiers[k - 1]
+        if not tier.num_free:
+            if k == n and not self._holds_data:  # the replay's common case, inline
+                victim = tier.pop_victim(now)
+                if victim is None:
+                    self._drop(block, "back_pressure", now)
+                    return False
+                self._unindex(victim)  # a leaf of the last tier: no descendants
+                drops = self._drops
+                drops["last_tier"] = drops.get("last_tier", 0) + 1
+            elif not self._make_room(tier, now):
+                self._drop(block, "back_pressure", now)
+                return False
+        if self._holds_data and not tier.store.write(tier.next_slot, block, data):
             self._drop(block, "back_pressure", now)
             return False
-        if not tier.store.write(tier.next_slot, block, data):
-            self._drop(block, "back_pressure", now)
-            return False
-        name = tier.name
-        kids = self._below.get(block.block_hash)  # making room may have moved some
-        block.num_children = sum(1 for c in kids.values() if c.tier == name) if kids else 0
+        kids = below.get(h)  # (making room may have moved some)
+        if not kids:
+            block.num_children = 0
+        elif n == 1:
+            block.num_children = len(kids)
+        else:
+            name = tier.name
+            block.num_children = sum(1 for c in kids.values() if c.tier == name)
         tier.add(block, now)
-        self._where[block.block_hash] = block
+        self._where[h] = block
         if block.depth > 0:
-            self._below.setdefault(block.parent_hash, {})[block.block_hash] = block
-        stats = self.stats
-        stats.demotions[name] = stats.demotions.get(name, 0) + 1
-        stats.bytes_written[name] = stats.bytes_written.get(name, 0) + self.bytes_per_block
+            siblings = below.get(block.parent_hash)
+            if siblings is None:
+                below[block.parent_hash] = {h: block}
+            else:
+                siblings[h] = block
+        self._demoted[k] += 1
         return True
 
     def _make_room(self, tier: Tier, now: float) -> bool:
         """Free one slot of ``tier`` by moving its policy's victim one tier down (or
         dropping it); False when the tier has no candidate (all held or inner)."""
-        victim = tier.victim(now)
+        data = None
+        if self._holds_data:
+            victim = tier.peek_victim(now)
+            if victim is None:
+                return False
+            data = self._read(victim, tier)
+        victim = tier.pop_victim(now)
         if victim is None:
             return False
-        data = self._read(victim, tier)
-        self._take_out(victim, tier, now)
+        self._unindex(victim)
         if self._holds_data and data is None:  # a corrupted file: drop it, the slot is free
-            self.stats.checksum_failures += 1
+            self._corrupt += 1
             self._drop(victim, "corrupt", now)
+        elif tier.index == len(self.tiers):  # nothing lower: a leaf here has no descendants
+            drops = self._drops
+            drops["last_tier"] = drops.get("last_tier", 0) + 1
         else:
             self._place(victim, tier.index + 1, now, data)
         return True
@@ -975,7 +1078,11 @@ class TierStack:
     def _take_out(self, block: BlockInfo, tier: Tier, now: float) -> None:
         """Remove ``block`` from ``tier`` and from the stack's indexes."""
         tier.remove(block, now)
-        self._staged.pop(id(block), None)
+        self._unindex(block)
+
+    def _unindex(self, block: BlockInfo) -> None:
+        if self._staged:
+            self._staged.pop(id(block), None)
         del self._where[block.block_hash]
         if block.depth > 0:
             kids = self._below.get(block.parent_hash)
@@ -987,7 +1094,7 @@ class TierStack:
     def _drop(self, block: BlockInfo, reason: str, now: float) -> None:
         """``block`` (in no tier) is gone: count it, and drop its lower-tier descendants,
         which no lookup could reach any more."""
-        drops = self.stats.drops
+        drops = self._drops
         drops[reason] = drops.get(reason, 0) + 1
         block.tier = "dropped"
         kids = self._below.get(block.block_hash)
@@ -1008,7 +1115,7 @@ class TierStack:
             if self._holds_data and tier.store.kind == "disk":
                 data = tier.store.read(block.block_id, block)
                 if data is None:
-                    self.stats.checksum_failures += 1
+                    self._corrupt += 1
                     self._take_out(block, tier, now)
                     self._drop(block, "corrupt", now)
                     break
@@ -1030,9 +1137,8 @@ class TierStack:
         position in ``block_ids`` and take it out of its tier; counted by tier. The records
         are then the pool's (``tier == "device"``, ``block_id`` the pool block, no children
         counted); the caller registers them in the tree."""
-        stats = self.stats
         kv = self.pool.kv if self._holds_data else None  # type: ignore[union-attr]
-        nbytes = self.bytes_per_block
+        served = self._served
         for block, block_id in zip(blocks, block_ids, strict=True):
             tier = self._by_name[block.tier]
             if kv is not None:
@@ -1041,14 +1147,11 @@ class TierStack:
                     data = tier.store.read(block.block_id, block)
                 kv[:, :, block_id].copy_(data)
             self._take_out(block, tier, now)
-            name = tier.name
-            stats.hit_blocks[name] = stats.hit_blocks.get(name, 0) + 1
-            stats.bytes_read[name] = stats.bytes_read.get(name, 0) + nbytes
+            served[tier.index] += 1
             block.block_id = block_id
             block.tier = "device"
             block.num_children = 0
             block.ref_count = 0
-        stats.reloads += len(blocks)
 
     def superseded(self, blocks: Sequence[BlockInfo], now: float) -> None:
         """New pool records were cached for ``blocks``: a lower-tier copy of the same hash
@@ -1061,7 +1164,7 @@ class TierStack:
                 continue
             kids = list(self._below.get(block.block_hash, {}).values())
             self._take_out(old, self._by_name[old.tier], now)
-            drops = self.stats.drops
+            drops = self._drops
             drops["superseded"] = drops.get("superseded", 0) + 1
             for child in kids:
                 child.parent = block
@@ -1092,7 +1195,7 @@ class TierStack:
                 data = self._read(block, tier)
                 self._take_out(block, tier, now)
                 if self._holds_data and data is None:
-                    self.stats.checksum_failures += 1
+                    self._corrupt += 1
                     self._drop(block, "corrupt", now)
                     continue
                 moved += self._place(block, target.index, now, data, force=True)

@@ -389,3 +389,117 @@ def test_spill_moves_the_host_tier_to_disk(tmp_path):
 def test_disk_store_rejects_a_metadata_pool():
     with pytest.raises(ConfigError, match="stores KV bytes"):
         KVCacheManager(BlockPool(4, BS), tiers=TierStack([Tier(2, store=DiskStore("/tmp/x"))]))
+
+
+# -- the manager's other paths: recomputed meanwhile, rollbacks, out of blocks, resume -----
+
+
+def test_a_block_computed_again_supersedes_its_copy_below():
+    stack = TierStack([Tier(8, "host-pcie5")], demote="always")
+    m = KVCacheManager(BlockPool(6, BS), "lru", tiers=stack)
+    run(m, "x", 0, 3)
+    m.evict(3)
+    assert len(stack) == 3
+    seq = m.begin(Request("y", tokens=[0, 1, 2, 3, 4]))  # block 0 reloaded, 1 and 2 below
+    assert seq.reloaded == (1,)
+    m.append("y", [5, 6, 7])  # block 1 computed again: the copy below is superseded
+    m.check()
+    assert stack.stats.drops == {"superseded": 1} and len(stack) == 1
+    (below,) = list(stack)
+    assert below.depth == 2 and below.parent is m.block(seq.block_table[1])  # re-parented
+    m.finish("y")
+    seq = run(m, "z", 0, 3)  # blocks 0, 1 in the pool, 2 reloaded under the new parent
+    assert seq.reloaded == (1,) and seq.num_cached_tokens == 12
+
+
+def test_a_rolled_back_reload_drops_what_only_it_could_reach():
+    from kvevict import LRU, PolicyError
+
+    class HitRaises(LRU):
+        armed = False
+
+        def on_hit(self, block, now):
+            if self.armed:
+                raise RuntimeError("boom")
+
+    policy = HitRaises()
+    stack = TierStack([Tier(8, "host-pcie5")], demote="always")
+    m = KVCacheManager(BlockPool(6, BS), policy, tiers=stack)
+    run(m, "x", 0, 3)
+    m.evict(3)
+    policy.armed = True
+    with pytest.raises(PolicyError, match="on_hit"):
+        m.begin(req("y", 0, 2))  # reloads blocks 0 and 1, then rolls back
+    m.check()
+    # the two reloaded records were uncached; block 2 (below, child of 1) is unreachable
+    assert len(stack) == 0 and stack.stats.drops == {"cascade": 1}
+    assert m.num_cached_blocks == 0
+
+
+def test_out_of_blocks_leaves_the_tiers_as_they_were():
+    stack = TierStack([Tier(8, "host-pcie5")], demote="always")
+    m = KVCacheManager(BlockPool(4, BS), "lru", tiers=stack)
+    run(m, "x", 0, 2)
+    m.evict(2)
+    m.begin(req("hog", 500, 3))  # three of four blocks in use
+    from kvevict import OutOfBlocks
+
+    with pytest.raises(OutOfBlocks):
+        m.begin(req("y", 0, 2))
+    m.check()  # nothing left held
+    assert len(stack) == 2 and len(stack.tiers[0].candidates) == 1
+    m.finish("hog")
+    seq = run(m, "y", 0, 2)
+    assert seq.reloaded == (2,)
+
+
+def test_resume_reloads_what_was_demoted_while_preempted():
+    stack = TierStack([Tier(8, "host-pcie5")], demote="always")
+    m = KVCacheManager(BlockPool(4, BS), "lru", tiers=stack)
+    m.begin(req("a", 0, 3))
+    m.preempt("a")
+    run(m, "b", 100, 4)  # pushes a's three blocks down
+    assert len(stack) >= 3
+    seq = m.resume("a")
+    assert seq.reloaded == (3,) and seq.num_cached_tokens == 12
+    m.finish("a")
+    m.check()
+
+
+# -- the replay with a host tier ------------------------------------------------------------
+
+
+def _trace():
+    # three sessions of 3 blocks each, then each again: a 4-block pool keeps one session
+    reqs = [Request(f"r{i}", block_hashes=tuple(range(10 * i, 10 * i + 3)), num_tokens=3 * BS)
+            for i in range(3)]
+    return reqs + [Request(f"s{i}", block_hashes=tuple(range(10 * i, 10 * i + 3)),
+                           num_tokens=3 * BS) for i in range(3)]
+
+
+def test_replay_with_a_host_tier_counts_hits_by_tier():
+    from kvevict.replay import format_tier_table, replay, replay_table
+
+    plain = replay(_trace(), "lru", 4, BS)
+    assert plain.hits == 0  # LRU at 4 blocks: each session is gone when it comes back
+    tiered = replay(_trace(), "lru", 4, BS, check_every=1,
+                    tiers=lambda: TierStack([Tier(8, name="host")], demote="always"))
+    assert tiered.hits == 9 and tiered.tiers["hits"] == {"device": 0, "host": 9}
+    assert tiered.tier_hit_ratios == {"device": 0.0, "host": 0.5}
+    assert tiered.tiers["demotions"] == {"host": 14}
+    table = replay_table(_trace(), ["lru"], [4], BS,
+                         tiers=lambda: TierStack([Tier(8, name="host")], demote="always"))
+    text = format_tier_table(table)
+    assert "| lru | 4 | 0.0000 | 0.5000 | 0.5000 |" in text
+    with pytest.raises(ConfigError, match="zero-argument factory"):
+        replay(_trace(), "lru", 4, BS, tiers=TierStack([Tier(8)]))
+
+
+def test_cli_replay_host_blocks(capsys):
+    from kvevict.cli import main
+
+    assert main(["replay", "--policies", "lru", "--sizes", "200", "--host-blocks", "800",
+                 "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "with a host tier of 800 blocks (lru, host-pcie5)" in out
+    assert "| policy | pool blocks | hit device | hit host | hit total |" in out

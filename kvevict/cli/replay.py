@@ -99,8 +99,37 @@ def add_parser(sub: Any) -> None:
     rep.add_argument("--out", type=Path,
                      help="write results.json and hit_ratio.png (every row against pool "
                           "size) here")
+    rep.add_argument("--host-blocks", type=int, default=None, metavar="N",
+                     help="a host memory tier of N blocks below the pool (kvevict.tiers, "
+                          "metadata-only): evicted blocks are demoted there, a hit there is "
+                          "a reload; prints the hit ratio by tier and the bytes moved")
+    rep.add_argument("--host-policy", default="lru",
+                     help="the host tier's own policy (default %(default)s)")
+    rep.add_argument("--host-profile", default="host-pcie5",
+                     help="the host tier's link (kvevict.tiers.TIER_PROFILES; default "
+                          "%(default)s)")
     rep.add_argument("--quiet", action="store_true", help="no progress output")
     rep.set_defaults(run=replay_command)
+
+
+def _host_tier(args: argparse.Namespace) -> Any:
+    """The ``tiers`` factory of ``--host-blocks`` (None without it)."""
+    blocks = getattr(args, "host_blocks", None)
+    if blocks is None:
+        return None
+    if blocks <= 0:
+        raise ConfigError(f"--host-blocks must be a positive number of blocks, got {blocks}")
+    from kvevict.tiers import Tier, TierStack, tier_profile
+
+    profile = tier_profile(args.host_profile)
+    from kvevict.policies.registry import POLICIES
+
+    POLICIES.get(args.host_policy)  # an unknown name fails before the trace is read
+
+    def factory() -> TierStack:
+        return TierStack([Tier(blocks, profile, policy=args.host_policy, name="host")])
+
+    return factory
 
 
 class _Bars:
@@ -212,6 +241,10 @@ def replay_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workdir {args.workdir} is not a directory")
     engine = getattr(args, "engine", "kvevict")
     horizons = getattr(args, "horizons", None)
+    tiers = _host_tier(args)
+    if tiers is not None and engine != "kvevict":
+        raise ConfigError("--host-blocks is for --engine kvevict (vLLM's offload manager is "
+                          "itself the host tier)")
     if horizons is not None and not horizons:
         raise ConfigError("--horizons needs at least one H (a number of seconds with --time "
                           "arrival, of requests with --time index)")
@@ -244,7 +277,7 @@ def replay_command(args: argparse.Namespace) -> int:
         table = replay_table(trace, policies, sizes, block_size, time=args.time,
                              records=args.records,
                              progress=None if args.quiet else _Bars(total, args.quiet),
-                             workdir=args.workdir, horizons=horizons)
+                             workdir=args.workdir, horizons=horizons, tiers=tiers)
         policies = list(table.policies)
         unit = "blocks"
     requests = table.results[0].requests if table.results else 0
@@ -252,6 +285,13 @@ def replay_command(args: argparse.Namespace) -> int:
           f"{block_size} tokens; time axis {args.time}"
           + ("; vLLM's CPUOffloadingManager" if engine == "vllm-offload" else ""))
     print(format_table(table, args.metric))
+    if tiers is not None:
+        from kvevict.replay import format_tier_table
+
+        print(f"\nwith a host tier of {args.host_blocks:,} blocks ({args.host_policy}, "
+              f"{args.host_profile}): blocks served by each tier over blocks looked up; GiB "
+              "moved at the cost model's KV bytes per block")
+        print(format_tier_table(table))
     if args.out is not None:
         out: Path = args.out
         out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,103 @@
+"""What a metadata-only host tier costs the replay, per request, as a ratio in one process.
+
+The bundled Mooncake trace is replayed one request at a time (``begin`` then ``finish``, as
+`kvevict.replay` does) through an LRU manager over a metadata-only pool of ``--blocks``
+blocks, once alone and once with a metadata-only host tier of ``--host-blocks`` below it
+(`kvevict.tiers`: every eviction is a demotion into the tier's own LRU, every hit there a
+reload). Both read the same in-memory requests; each is timed in process CPU seconds, best
+of ``--rounds``. Issue 15's target: the tiered replay costs at most 1.5x the untiered one per
+request.
+
+    python benchmarks/bench_tiers.py [--blocks 1000] [--host-blocks 4000] [--rounds 3]
+
+As a pytest benchmark (``pytest benchmarks/bench_tiers.py``) it asserts the 1.5x ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+try:
+    import kvevict  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvevict import BlockPool, KVCacheManager, OutOfBlocks
+from kvevict.replay import open_trace
+from kvevict.tiers import Tier, TierStack
+
+TARGET = 1.5
+
+
+def load_requests() -> tuple[list, int]:
+    trace, block_size = open_trace("mooncake")
+    return list(trace), block_size
+
+
+def replay_seconds(requests: list, block_size: int, blocks: int, host_blocks: int | None,
+                   rounds: int) -> tuple[float, dict]:
+    """Best CPU seconds of ``rounds`` replays, and the last one's hits by tier."""
+    best, hits = float("inf"), {}
+    for _ in range(rounds):
+        stack = None if host_blocks is None else TierStack([Tier(host_blocks, name="host")])
+        manager = KVCacheManager(BlockPool(blocks, block_size), "lru", tiers=stack)
+        gc.collect()
+        start = time.process_time()
+        for t, request in enumerate(requests):
+            manager.clock.set(float(t))
+            try:
+                manager.begin(request)
+            except OutOfBlocks:
+                continue
+            manager.finish(request.request_id)
+        best = min(best, time.process_time() - start)
+        hits = {"device": manager.stats.block_hits} if stack is None else \
+            stack.hits_by_tier(manager.stats.block_hits)
+    return best, hits
+
+
+def measure(blocks: int = 1000, host_blocks: int = 4000, rounds: int = 3) -> dict:
+    """Both replays, interleaved round by round (a busy machine slows both alike), best of
+    ``rounds`` each."""
+    requests, block_size = load_requests()
+    plain = tiered = float("inf")
+    for _ in range(rounds):
+        p, plain_hits = replay_seconds(requests, block_size, blocks, None, 1)
+        t, tiered_hits = replay_seconds(requests, block_size, blocks, host_blocks, 1)
+        plain, tiered = min(plain, p), min(tiered, t)
+    n = len(requests)
+    return {"requests": n, "blocks": blocks, "host_blocks": host_blocks,
+            "untiered_us_per_request": plain / n * 1e6,
+            "tiered_us_per_request": tiered / n * 1e6, "ratio": tiered / plain,
+            "untiered_hits": plain_hits, "tiered_hits": tiered_hits}
+
+
+def test_tiered_replay_costs_at_most_1_5x_per_request():
+    out = measure(rounds=3)
+    assert out["tiered_hits"]["host"] > 0  # the tier was used
+    assert out["ratio"] <= TARGET, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", type=int, default=1000)
+    ap.add_argument("--host-blocks", type=int, default=4000)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    out = measure(args.blocks, args.host_blocks, args.rounds)
+    print(f"Mooncake trace, {out['requests']:,} requests, pool {out['blocks']:,} blocks, "
+          f"host tier {out['host_blocks']:,} blocks (metadata-only, LRU)")
+    print(f"untiered: {out['untiered_us_per_request']:.1f} us/request, hits "
+          f"{out['untiered_hits']}")
+    print(f"tiered:   {out['tiered_us_per_request']:.1f} us/request, hits "
+          f"{out['tiered_hits']}")
+    print(f"ratio {out['ratio']:.2f}x (target <= {TARGET}x)")
+    return 0 if out["ratio"] <= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
