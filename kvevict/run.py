@@ -506,7 +506,7 @@ class TierTransfers:
     when the last of them arrives, and the scheduler holds the request until then
     (``reload_time``).
 
-    **Prefetch** (``prefetch=True``; CachedAttention, Gao et al., USENIX ATC'24, section 3.3:
+    **Prefetch** (``prefetch=True``; CachedAttention, Gao et al., USENIX ATC'24:
     a request's KV starts loading while it waits in the queue): when a request arrives, the
     lower-tier continuation of its cached prefix (as a lookup then finds it) is queued on
     the links at once, into a staging buffer. At admission a reloaded block that was
