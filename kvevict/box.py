@@ -437,8 +437,9 @@ class Box:
         gpus: the tensor-parallel degree.
         gpu_memory_utilization: the fraction of each GPU's memory the engine may use
             (vLLM's ``--gpu-memory-utilization``, 0.9 by default).
-        host_memory_bytes: host memory for a lower KV tier (carried, for tiering).
-        disk_bytes: disk for a lower KV tier (carried, for tiering).
+        host_memory_bytes: host memory for a KV tier below the GPU (`tier_blocks`; the
+            simulator's ``--host-gib`` / ``--host-x``, `kvevict.sim.TierConfig`), or None.
+        disk_bytes: disk for a KV tier below the host tier (``--disk-gib``), or None.
 
     Raises:
         ConfigError: a bad field, or a calibrated profile with ``gpus > 1`` (a calibration
@@ -457,8 +458,22 @@ class Box:
                               f"model tensor parallelism over {self.gpus} GPUs (use gpus=1)")
 
     def describe(self) -> str:
-        """``"1 x H100 SXM 80 GB at 0.9 utilization"``."""
-        return f"{self.gpus} x {self.gpu.label} at {self.gpu_memory_utilization:g} utilization"
+        """``"1 x H100 SXM 80 GB at 0.9 utilization"``, then the KV tiers below the GPU when
+        the box has them (``", 16.00 GiB host KV tier, 64.00 GiB disk KV tier"``)."""
+        out = f"{self.gpus} x {self.gpu.label} at {self.gpu_memory_utilization:g} utilization"
+        if self.host_memory_bytes is not None:
+            out += f", {self.host_memory_bytes / GIB:.2f} GiB host KV tier"
+        if self.disk_bytes is not None:
+            out += f", {self.disk_bytes / GIB:.2f} GiB disk KV tier"
+        return out
+
+    def tier_blocks(self, layout: KVLayout | str, block_size: int) -> tuple[int, int]:
+        """Blocks of ``block_size`` tokens of ``layout`` the host and disk KV tiers hold
+        (``host_memory_bytes`` and ``disk_bytes`` over the bytes of a whole block, rounded
+        down; 0 for a tier the box has not)."""
+        per_block = _layout(layout).bytes_per_block(_positive_int("block_size", block_size))
+        return tuple(0 if n is None else n // per_block  # type: ignore[return-value]
+                     for n in (self.host_memory_bytes, self.disk_bytes))
 
     @property
     def usable_bytes(self) -> float:

@@ -31,6 +31,7 @@ baseline, not to the run. With ``records=True`` (`RunCollector`, `kvevict.sim.si
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as SequenceABC
@@ -46,9 +47,9 @@ from kvevict.manager import KVCacheManager
 from kvevict.scheduler import Executor, RequestState, Scheduler, StepOutput, StepPlan
 from kvevict.types import ManualClock, Request
 
-__all__ = ["CostModelExecutor", "InfiniteCache", "RequestRecord", "RunCollector", "RunColumns",
-           "SimResult", "chunk_seconds", "collect", "drive", "in_arrival_order",
-           "infinite_cache_hits", "recompute_seconds"]
+__all__ = ["CostModelExecutor", "InfiniteCache", "Link", "RequestRecord", "RunCollector",
+           "RunColumns", "SimResult", "TierTransfers", "chunk_seconds", "collect", "drive",
+           "in_arrival_order", "infinite_cache_hits", "recompute_seconds", "tier_summary"]
 
 
 def chunk_seconds(cost: CostModel, start: int, end: int, computed: int) -> float:
@@ -149,7 +150,9 @@ class RequestRecord:
             recomputed prefill tokens (`recompute_seconds`): positions an infinite cache, or
             its own first admission, had cached, and positions computed again after a
             preemption. Priced, not measured (the engine's steps are timed whole).
-        reload_s: seconds reloading KV from a lower tier; 0 until the cache has tiers.
+        reload_s: seconds admitted but waiting for KV reloaded from a lower tier to cross
+            its link (`TierTransfers`; queued behind other transfers on a shared link); 0
+            without tiers.
         prompt_blocks, cached_blocks: prompt blocks looked up at the first admission, and of
             those found cached (the block hit ratio's denominator and numerator).
         resume_lookups, resume_hit_blocks: blocks looked up, and found cached, when it
@@ -192,7 +195,7 @@ class RequestRecord:
             queue_wait=s.queue_wait or 0.0, ttft=s.ttft or 0.0,
             finish=s.finish_time or 0.0, preemptions=s.preemptions, deferrals=s.deferrals,
             wait_memory=s.wait_memory, wait_compute=s.wait_compute, prefill_s=s.prefill_time,
-            recompute_prefill_s=recompute_prefill_s, reload_s=0.0,
+            recompute_prefill_s=recompute_prefill_s, reload_s=s.reload_time,
             prompt_blocks=s.prompt_blocks, cached_blocks=s.cached_blocks,
             resume_lookups=s.resume_lookups, resume_hit_blocks=s.resume_hit_blocks,
         )
@@ -372,6 +375,9 @@ class SimResult:
     arrival_span: float = 0.0
     #: the summary's columns of a run that kept no records (None when it kept them)
     columns: RunColumns | None = attrs.field(default=None, eq=False)
+    #: a cache with memory tiers: what moved between them and how busy each link was
+    #: (`tier_summary`); None without tiers
+    tiers: dict[str, Any] | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.records is None and self.columns is None:
@@ -401,8 +407,8 @@ class SimResult:
         manager's lookups of the first admissions); lookups of preempted requests resuming
         are counted apart (``resume_lookups``, ``resume_hit_blocks``,
         ``resume_block_hit_ratio``). Times: p50/p95/p99 and mean of the TTFT and its parts
-        (`RequestRecord`), overall and per workload class (``classes``). docs/columns.md
-        defines every key.
+        (`RequestRecord`), overall and per workload class (``classes``). A run with memory
+        tiers adds ``tiers`` (`tier_summary`). docs/columns.md defines every key.
         """
         totals, times, classes = self.request_columns().summarize()
         prompt = totals["prompt_tokens"]
@@ -445,7 +451,221 @@ class SimResult:
         }
         out.update(times)
         out["classes"] = classes
+        if self.tiers is not None:
+            out["tiers"] = self.tiers
         return out
+
+
+# -- memory tiers: the links a reload crosses ------------------------------------------------
+
+
+class Link:
+    """One direction of the link from a memory tier to the tier above it (its
+    `kvevict.tiers.TierProfile`), shared by every request: a transfer issued at ``start``
+    begins when the link is free (``busy_until``) and lasts ``profile.transfer_seconds``
+    (one latency, the bytes at the link's read bandwidth). Transfers are served one at a
+    time in the order they are issued, so none gets bandwidth another is using."""
+
+    def __init__(self, name: str, profile: Any) -> None:
+        self.name = name
+        self.profile = profile
+        self.busy_until = -math.inf
+        self.busy_seconds = 0.0  #: seconds the link moved data
+        self.queued_seconds = 0.0  #: seconds transfers waited for the link, summed
+        self.transfers = 0
+        self.blocks = 0
+
+    def transfer(self, start: float, blocks: int, nbytes: int) -> float:
+        """Queue ``blocks`` blocks of ``nbytes`` each, ready to move at ``start``; return
+        when they have crossed."""
+        begin = max(start, self.busy_until)
+        seconds = self.profile.transfer_seconds(nbytes, blocks)
+        self.busy_until = begin + seconds
+        self.busy_seconds += seconds
+        self.queued_seconds += begin - start
+        self.transfers += 1
+        self.blocks += blocks
+        return self.busy_until
+
+    def as_dict(self, span: float) -> dict[str, Any]:
+        return {"busy_s": round(self.busy_seconds, 6),
+                "utilization": round(self.busy_seconds / span, 6) if span > 0 else 0.0,
+                "queued_s": round(self.queued_seconds, 6), "transfers": self.transfers,
+                "blocks": self.blocks}
+
+
+class TierTransfers:
+    """The reloads of a cache with memory tiers (a manager with a `kvevict.tiers.TierStack`)
+    on the links between the tiers, in virtual time: the ``transfers`` of a `Scheduler`.
+
+    Each tier ``k`` has one `Link` (its profile's read direction, to tier ``k - 1``). A block
+    reloaded from tier ``k`` crosses tier ``k``'s link, then every link above it (a direct
+    link, GPUDirect, goes straight to the device), the blocks of one tier in one transfer
+    per link. When a request is admitted, the manager has already moved the records
+    (`kvevict.tiers.TierStack.load`); `admitted` queues the bytes on the links and returns
+    when the last of them arrives, and the scheduler holds the request until then
+    (``reload_time``).
+
+    **Prefetch** (``prefetch=True``; CachedAttention, Gao et al., USENIX ATC'24:
+    a request's KV starts loading while it waits in the queue): when a request arrives, the
+    lower-tier continuation of its cached prefix (as a lookup then finds it) is queued on
+    the links at once, into a staging buffer. At admission a reloaded block that was
+    prefetched is ready when its prefetch ended; the others are queued then. The staging
+    buffer is not charged to the pool (``peak_staged_blocks`` says how large it grew), so
+    what prefetch buys here is an upper bound; a prefetched block that a tier drops before
+    the admission is recomputed (the staged copy is not used), and one prefetched for two
+    waiting requests crosses the link once.
+
+    Demotions (writes down the tiers) are not queued: CachedAttention saves asynchronously,
+    off the critical path, and a PCIe link moves both directions at once. Their load on each
+    tier's write bandwidth is reported (`tier_summary`: ``write_utilization``); above 1 the
+    writes could not have kept up.
+    """
+
+    def __init__(self, manager: KVCacheManager, *, prefetch: bool = False) -> None:
+        stack = manager.tiers
+        if stack is None:
+            raise ConfigError("TierTransfers needs a manager with tiers (KVCacheManager(..., "
+                              "tiers=TierStack(...)))")
+        if not isinstance(prefetch, bool):
+            raise ConfigError(f"prefetch must be True or False, got {prefetch!r}")
+        self.manager = manager
+        self.stack = stack
+        self.prefetch = prefetch
+        self.links = [Link(t.name, t.profile) for t in stack.tiers]
+        self.nbytes = stack.bytes_per_block
+        self.reloaded_blocks = 0  #: blocks reloaded at admissions (begin and resume)
+        self.prefetched_blocks = 0  #: blocks put on the links by prefetches
+        self.prefetch_used = 0  #: reloaded blocks a prefetch had staged
+        self.peak_staged_blocks = 0
+        self._staged: dict[Any, list[Any]] = {}  # hash -> [ready time, waiting requests]
+        self._prefetched: dict[RequestState, list[Any]] = {}  # request -> its staged hashes
+
+    def load(self, counts: SequenceABC[int], start: float) -> list[float]:
+        """Queue ``counts[k - 1]`` blocks from each tier ``k`` at ``start``; the time each
+        tier's blocks arrive at the device (``start`` for a tier with none)."""
+        links, tiers, nbytes = self.links, self.stack.tiers, self.nbytes
+        ends = []
+        for k, n in enumerate(counts, start=1):
+            t = start
+            j = k
+            while n and j >= 1:
+                t = links[j - 1].transfer(t, n, nbytes)
+                if tiers[j - 1].profile.direct:
+                    break
+                j -= 1
+            ends.append(t)
+        return ends
+
+    def arrived(self, state: RequestState) -> None:
+        """``state`` was queued: with prefetch on, start loading its lower-tier prefix."""
+        if not self.prefetch:
+            return
+        request = state.request
+        manager = self.manager
+        if request.block_hashes is not None:
+            hashes = request.block_hashes
+        else:
+            hashes = block_hashes(request.tokens, manager.block_size, manager.extra_key)
+        hit = len(manager.tree.longest_prefix(hashes))
+        lower = self.stack.match(hashes, hit)
+        if not lower:
+            return
+        staged = self._staged
+        counts = [0] * len(self.links)
+        new: list[tuple[Any, int]] = []
+        for block in lower:
+            entry = staged.get(block.block_hash)
+            if entry is None:
+                k = self.stack.tier_index(block)
+                counts[k - 1] += 1
+                new.append((block.block_hash, k))
+        ends = self.load(counts, state.arrival)
+        for h, k in new:
+            staged[h] = [ends[k - 1], 0]
+        mine = [b.block_hash for b in lower]
+        for h in mine:
+            staged[h][1] += 1
+        self._prefetched[state] = mine
+        self.prefetched_blocks += len(new)
+        if len(staged) > self.peak_staged_blocks:
+            self.peak_staged_blocks = len(staged)
+
+    def admitted(self, state: RequestState, seq: Any, pool_hits: int, now: float) -> float:
+        """``state`` was admitted at ``now`` (``seq``, the manager's `Sequence`, found
+        ``pool_hits`` blocks in the pool and reloaded ``seq.reloaded`` from the tiers, in
+        chain order right after them): queue what no prefetch staged; return when the last
+        reloaded block has arrived."""
+        staged = self._staged
+        ready = now
+        counts = seq.reloaded
+        total = sum(counts)
+        if total:
+            hashes = seq.hashes[pool_hits:pool_hits + total]
+            need = [0] * len(self.links)
+            i = 0
+            for k, n in enumerate(counts, start=1):
+                for h in hashes[i:i + n]:
+                    entry = staged.pop(h, None) if staged else None
+                    if entry is None:
+                        need[k - 1] += 1
+                    else:  # staged by a prefetch: it is ready when that ends
+                        self.prefetch_used += 1
+                        ready = max(ready, entry[0])
+                i += n
+            if any(need):
+                ready = max(ready, *self.load(need, now))
+            self.reloaded_blocks += total
+        mine = self._prefetched.pop(state, None)
+        if mine:
+            for h in mine:
+                entry = staged.get(h)
+                if entry is not None:
+                    entry[1] -= 1
+                    if entry[1] <= 0:
+                        del staged[h]
+        return ready
+
+
+def tier_summary(manager: KVCacheManager, transfers: TierTransfers | None,
+                 span: float) -> dict[str, Any]:
+    """What a run with memory tiers moved (``span``: its makespan, for the links'
+    utilization): each tier's name, size, policy and link; the blocks served by each tier
+    (``hit_blocks``: the device's own hits and every tier's reloads, all admissions);
+    ``kvevict.tiers.TierStats`` (demotions, drops by reason, bytes read and written); the
+    load of each tier's write bandwidth (``write_utilization``: the bytes demoted into it
+    over its write bandwidth, over the span); and with ``transfers`` each read link's busy
+    time, utilization and queueing (``links``) and the prefetch counters."""
+    stack = manager.tiers
+    assert stack is not None
+    stats = stack.stats
+    write = {}
+    for tier in stack.tiers:
+        busy = stats.bytes_written.get(tier.name, 0) / tier.profile.write_bytes_per_s
+        write[tier.name] = round(busy / span, 6) if span > 0 else 0.0
+    out: dict[str, Any] = {
+        "tiers": [{"name": t.name, "capacity_blocks": t.capacity_blocks,
+                   "policy": t.policy.name if t.policy is not None else None,
+                   "profile": t.profile.name,
+                   "read_bytes_per_s": t.profile.read_bytes_per_s,
+                   "latency_s": t.profile.latency_s} for t in stack.tiers],
+        "bytes_per_block": stack.bytes_per_block,
+        "demote": stack.demote_rule,
+        "hit_blocks": stack.hits_by_tier(manager.stats.block_hits),
+        "reloads": stats.reloads,
+        "demotions": dict(sorted(stats.demotions.items())),
+        "drops": dict(sorted(stats.drops.items())),
+        "bytes_read": dict(sorted(stats.bytes_read.items())),
+        "bytes_written": dict(sorted(stats.bytes_written.items())),
+        "write_utilization": write,
+    }
+    if transfers is not None:
+        out["links"] = {link.name: link.as_dict(span) for link in transfers.links}
+        out["prefetch"] = {"enabled": transfers.prefetch,
+                           "blocks": transfers.prefetched_blocks,
+                           "used": transfers.prefetch_used,
+                           "peak_staged_blocks": transfers.peak_staged_blocks}
+    return out
 
 
 # -- the infinite cache --------------------------------------------------------------------
@@ -745,15 +965,21 @@ class RunCollector:
         manager = scheduler.manager
         records = None if self.records is None else tuple(
             sorted(self.records, key=lambda r: r.arrival))
+        makespan = clock.now - self.first_arrival
+        tiers = None
+        if manager.tiers is not None:
+            transfers = scheduler.transfers
+            tiers = tier_summary(manager, transfers if isinstance(transfers, TierTransfers)
+                                 else None, makespan)
         return SimResult(
             policy=name, capacity_blocks=manager.pool.num_blocks,
             block_size=manager.block_size, records=records, columns=self.columns,
             manager_stats=manager.stats.as_dict(), preemptions=scheduler.preemptions,
-            steps=scheduler.steps, makespan=clock.now - self.first_arrival,
+            steps=scheduler.steps, makespan=makespan,
             infinite_hit_tokens=self.infinite_hit_tokens,
             infinite_compute_tokens=self.infinite_compute_tokens,
             busy_seconds=scheduler.busy_seconds,
-            arrival_span=self.last_arrival - self.first_arrival)
+            arrival_span=self.last_arrival - self.first_arrival, tiers=tiers)
 
 
 def collect(scheduler: Scheduler, ordered: SequenceABC[Request], clock: ManualClock,

@@ -35,8 +35,16 @@ pass for the interval until the next pass:
   seats (``max_num_seqs``) before reaching it, or, admitted and mid-prefill, its next chunk
   did not fit the step's budget.
 
-So ``ttft = wait_memory + wait_compute + prefill_time`` (up to floating-point rounding of the
-clock differences), and ``queue_wait = wait_memory + wait_compute``.
+With memory tiers there is a fourth part, *reload* (`RequestState.reload_time`): a scheduler
+given ``transfers`` (the simulator's `kvevict.run.TierTransfers`) asks it, when a request is
+admitted, when the KV it reloaded from a lower tier has arrived over the link. Until then the
+request holds its seat and its blocks but runs nothing (as vLLM's asynchronous KV loads keep a
+request waiting for its remote KV while the batch goes on); its first chunk, planned at
+admission, runs in the first pass after the load has ended, and the time between the end of
+the load and that pass is waiting for compute.
+
+So ``ttft = wait_memory + wait_compute + prefill_time + reload_time`` (up to floating-point
+rounding of the clock differences), and ``queue_wait = wait_memory + wait_compute``.
 """
 
 from __future__ import annotations
@@ -99,7 +107,7 @@ class SchedulerConfig:
 
 #: the parts of the time to the first token a `RequestState` is in between two passes
 #: (``"queue"`` follows the queue's reason of the pass; see the module docstring)
-PHASES = ("queue", "memory", "compute", "prefill")
+PHASES = ("queue", "memory", "compute", "prefill", "reload")
 
 
 class RequestState:
@@ -107,9 +115,12 @@ class RequestState:
 
     ``ttft`` is from arrival to the end of the step that produced its first token. It splits
     into ``wait_memory`` + ``wait_compute`` (together ``queue_wait``: every interval before
-    the first token in which none of its prefill ran, preempted and stalled ones included)
-    and ``prefill_time`` (the steps that ran its prefill chunks); see the module docstring
-    for which interval goes where. ``first_scheduled`` is the first admission's time.
+    the first token in which none of its prefill ran, preempted and stalled ones included),
+    ``prefill_time`` (the steps that ran its prefill chunks) and ``reload_time`` (admitted,
+    waiting for its reloaded KV to cross the link); see the module docstring for which
+    interval goes where. ``first_scheduled`` is the first admission's time. While it waits
+    for a reload, ``ready_at`` is when the load ends and ``deferred`` the chunk planned at
+    admission (``(start, end, samples, real)``, or None for a resumed sequence's decode).
 
     Per admission it keeps what the cache lookup found: ``prompt_blocks`` and
     ``cached_blocks`` (blocks looked up and found at the first admission), and
@@ -122,8 +133,9 @@ class RequestState:
                  "decode_time", "deferrals", "finish_time", "first_scheduled",
                  "first_token_time", "num_output", "pending_token", "phase", "phase_memory",
                  "phase_since", "prefill_chunks", "prefill_time", "preemptions",
-                 "prompt_blocks", "request", "resume_hit_blocks", "resume_lookups", "seq",
-                 "status", "wait_compute", "wait_memory")
+                 "prompt_blocks", "ready_at", "deferred", "reload_time", "request",
+                 "resume_hit_blocks", "resume_lookups", "seq", "status", "wait_compute",
+                 "wait_memory")
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -143,6 +155,9 @@ class RequestState:
         self.wait_memory = 0.0
         self.wait_compute = 0.0
         self.prefill_time = 0.0
+        self.reload_time = 0.0
+        self.ready_at: float | None = None  # admitted, its reload ends then
+        self.deferred: tuple[int, int, bool, int] | None = None
         #: the part of the TTFT it is in now (one of `PHASES`; None once the first token
         #: is out), since ``phase_since``; ``phase_memory`` is the scheduler's queue
         #: memory-wait counter at that time (see `enter`)
@@ -193,6 +208,8 @@ class RequestState:
                 self.wait_memory += dt
             elif current == "compute":
                 self.wait_compute += dt
+            elif current == "reload":
+                self.reload_time += dt
             else:
                 self.prefill_time += dt
             since = now
@@ -286,12 +303,18 @@ class Scheduler:
             request and prompt stay referenced). With False a finished request leaves the
             scheduler once ``on_finish`` has seen it, so a long run holds only the requests
             in flight.
+        transfers: the link model of a cache with memory tiers (`kvevict.run.TierTransfers`
+            or any object with its two methods): ``arrived(state)`` as each request is
+            queued (to start a prefetch), ``admitted(state, seq, pool_hits, now)`` after each
+            admission (begin or resume), returning the clock time its reloaded KV has
+            arrived; until then the request waits (``reload_time``). None (the default):
+            reloads take no time.
     """
 
     def __init__(self, manager: KVCacheManager, executor: Executor,
                  config: SchedulerConfig | None = None,
                  on_finish: Callable[[RequestState], None] | None = None, *,
-                 keep_finished: bool = True) -> None:
+                 keep_finished: bool = True, transfers: Any = None) -> None:
         if not isinstance(manager, KVCacheManager):
             raise ConfigError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
         if not isinstance(executor, Executor):
@@ -303,6 +326,7 @@ class Scheduler:
         if not isinstance(keep_finished, bool):
             raise ConfigError(f"keep_finished must be True or False, got {keep_finished!r}")
         self.keep_finished = keep_finished
+        self.transfers = transfers
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.finished: list[RequestState] = []
@@ -330,6 +354,8 @@ class Scheduler:
         # it arrived while a step ran: waiting for compute until now, then it is in the queue
         state.enter("queue", max(now, state.arrival), self._queue_memory_at(now))
         self.waiting.append(state)
+        if self.transfers is not None:
+            self.transfers.arrived(state)
         return state
 
     def has_work(self) -> bool:
@@ -361,6 +387,7 @@ class Scheduler:
         else:  # fewest processed tokens: cheapest to recompute (arXiv 2411.07447)
             victim = min(candidates, key=lambda s: (s.seq.num_tokens, -s.arrival))  # type: ignore[union-attr]
         self.manager.preempt(victim.request_id)
+        victim.ready_at = victim.deferred = None  # a load under way is wasted
         now = self.clock()
         victim.enter("memory", now, self._queue_memory_at(now))  # it waits to resume
         victim.status = "preempted"
@@ -411,6 +438,11 @@ class Scheduler:
         for state in list(self.running):
             if state.status != "running":
                 continue  # preempted in this pass (waiting for memory from now)
+            if state.ready_at is not None:  # admitted, waiting for its reload
+                spent = self._loaded(state, plan, budget, now, memory, scheduled)
+                if spent is not None:
+                    budget -= spent
+                continue
             if budget <= 0:
                 state.enter("compute", now, memory)  # no-op after its first token
                 continue
@@ -493,6 +525,15 @@ class Scheduler:
             start = seq.num_hit_slots
             n = seq.num_tokens - start
             samples = seq.num_pending == 0 and state.pending_token is None
+            if self.transfers is not None:
+                pool_hits = stats.block_hits - hits - sum(seq.reloaded)
+                ready = self.transfers.admitted(state, seq, pool_hits, now)
+                if ready > now:  # its reloaded KV is still on the link: run nothing yet
+                    state.ready_at = ready
+                    state.deferred = None if n == 0 and not samples else (
+                        start, seq.num_tokens, samples, seq.real_tokens(start, seq.num_tokens))
+                    state.enter("reload", now, memory)
+                    continue
             if n == 0 and not samples:  # a resumed sequence, fully cached: decode now
                 if self._schedule_decode(state, plan, scheduled):
                     scheduled.add(state.request_id)
@@ -512,6 +553,39 @@ class Scheduler:
             self.waiting.appendleft(state)
         return plan
 
+    def _loaded(self, state: RequestState, plan: StepPlan, budget: int, now: float,
+                memory: float, scheduled: set[Any]) -> int | None:
+        """A request admitted while its reload was on the link: still loading, it waits
+        (``reload``); loaded, it runs the chunk planned at admission (or, a resumed sequence
+        fully cached, its decode) when the step's budget holds it, and waits for compute from
+        the end of the load otherwise. Returns the budget spent, or None when nothing ran."""
+        ready = state.ready_at
+        assert ready is not None
+        if ready > now:
+            state.enter("reload", now, memory)
+            return None
+        state.enter("compute", ready, memory)  # loaded at ``ready``; since then, compute
+        chunk = state.deferred
+        if chunk is None:  # a resumed sequence, fully cached
+            if budget <= 0 or not self._schedule_decode(state, plan, scheduled):
+                return None
+            state.ready_at = None
+            scheduled.add(state.request_id)
+            return 1
+        start, end, samples, real = chunk
+        computed = max(real, 1) if samples else real
+        if computed > budget:
+            state.enter("compute", now, memory)
+            return None
+        state.ready_at = state.deferred = None
+        plan.prefills.append(PrefillChunk(state, start, end, samples, real))
+        scheduled.add(state.request_id)
+        state.computed_prefill_tokens += computed
+        if state.first_token_time is None:
+            state.prefill_chunks.append((start, end, real))
+            state.enter("prefill", now, memory)
+        return computed
+
     def step(self, next_arrival: float | None = None) -> StepPlan:
         """Schedule, execute and account one step. If nothing can run, idle until the
         earliest of a deferred request's retry time and ``next_arrival`` (the driver's next
@@ -520,6 +594,9 @@ class Scheduler:
         retry, self._retry_at = self._retry_at, None
         if not plan:
             wake = min(t for t in (retry, next_arrival, math.inf) if t is not None)
+            for state in self.running:  # a reload under way ends
+                if state.ready_at is not None and state.ready_at < wake:
+                    wake = state.ready_at
             if wake == math.inf:
                 if self.has_work():
                     raise ConfigError("scheduler is stuck: requests wait but nothing can run")

@@ -20,6 +20,17 @@ the cache and the requests in flight, not the trace (see `kvevict.run`, **Memory
 offline policy (``"belady"``) needs the future: it is built from the same requests (a
 re-iterable one, such as a `TraceFile`, is read once more for it; a one-shot iterator is
 listed first) and holds what it needs, every access time of every block.
+
+**Memory tiers** (``tiers=``, a `TierConfig`): below the pool, a host tier (and a disk tier
+below it), metadata-only (`kvevict.tiers`): an evicted block is demoted when reloading it
+is faster than recomputing it, a hit below the pool is reloaded. The reload takes time on
+the links (`kvevict.run.TierTransfers`: one link per tier, shared, first come first served):
+an admitted request waits for its KV (``reload_s``, a part of its TTFT), and with
+``prefetch`` its lower-tier prefix starts loading while it waits in the queue. A policy given
+by name that takes a ``cost_model`` (``market``, ``bayes``, ``gdsf``, ``dbms``) prices a
+block with what losing it costs, a reload from the tier it would go to
+(`kvevict.tiers.TierStack.policy_cost_model`), in the pool and in each tier; each tier runs
+the pool's policy unless `TierConfig.policy` names another (LRU for an offline policy).
 """
 
 from __future__ import annotations
@@ -38,11 +49,106 @@ from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy
 from kvevict.policies.registry import build_policy, is_offline
 from kvevict.pool import BlockPool
-from kvevict.run import CostModelExecutor, RunCollector, SimResult, drive
+from kvevict.run import CostModelExecutor, RunCollector, SimResult, TierTransfers, drive
 from kvevict.scheduler import Scheduler, SchedulerConfig, StepPlan
+from kvevict.tiers import DEMOTE_RULES, TIER_PROFILES, Tier, TierProfile, TierStack, tier_profile
 from kvevict.types import ManualClock, Request
 
-__all__ = ["SimResult", "simulate"]
+__all__ = ["SimResult", "TierConfig", "host_link_profile", "simulate"]
+
+
+def _blocks(instance: Any, attribute: Any, value: Any) -> None:
+    low = 1 if attribute.name == "host_blocks" else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"TierConfig.{attribute.name} must be an int >= {low} (blocks of the "
+                          f"pool's size), got {value!r}")
+
+
+def _profile(instance: Any, attribute: Any, value: Any) -> None:
+    if value is None and attribute.name == "host_profile":
+        return
+    if isinstance(value, TierProfile):
+        return
+    if not isinstance(value, str) or value not in TIER_PROFILES:
+        raise ConfigError(f"TierConfig.{attribute.name} must be a TierProfile or one of "
+                          f"{', '.join(TIER_PROFILES)}, got {value!r}")
+
+
+def _tier_policy(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"TierConfig.policy must be a registered policy name or None (the "
+                          f"pool's), got {value!r}")
+
+
+def _flag(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"TierConfig.{attribute.name} must be True or False, got {value!r}")
+
+
+def _demote(instance: Any, attribute: Any, value: Any) -> None:
+    if value not in DEMOTE_RULES:
+        raise ConfigError(f"TierConfig.demote must be one of {', '.join(DEMOTE_RULES)}, got "
+                          f"{value!r}")
+
+
+def host_link_profile(cost: CostModel) -> TierProfile:
+    """The host tier's link on the box ``cost`` describes: its reload bandwidth
+    (`CostModel.reload_bytes_per_s`: the box's GPU host link, each GPU's share over its own
+    under tensor parallelism, `kvevict.box.Box.cost_model`) both ways, and the latency of a
+    copy call of ``TIER_PROFILES["host-pcie5"]`` (10 us)."""
+    base = TIER_PROFILES["host-pcie5"]
+    return TierProfile("host", cost.reload_bytes_per_s, cost.reload_bytes_per_s,
+                       base.latency_s, real=True,
+                       source=f"the box's GPU host link ({cost.reload_bytes_per_s / 1e9:g} GB/s "
+                              f"per direction); {base.latency_s * 1e6:g} us per copy as "
+                              "host-pcie5")
+
+
+@attrs.frozen
+class TierConfig:
+    """Memory tiers below the simulator's pool, metadata-only (`kvevict.tiers`).
+
+    Attributes:
+        host_blocks: blocks of the host tier (tier 1), >= 1.
+        disk_blocks: blocks of a disk tier below it (tier 2); 0 (the default) for none.
+        host_profile: the host tier's link (a `kvevict.tiers.TierProfile` or a name in
+            `kvevict.tiers.TIER_PROFILES`); None (the default): the box's GPU host link
+            (`host_link_profile` of the run's cost model).
+        disk_profile: the disk tier's link to the host tier (default ``"nvme"``, PCIe 5.0
+            NVMe staged through host memory; ``"nvme-gds"`` reads straight into HBM).
+        policy: the tiers' residency policy by name; None (the default): the pool's when it
+            is given by name and online, else ``"lru"``.
+        prefetch: start loading a request's lower-tier prefix while it waits in the queue
+            (`kvevict.run.TierTransfers`).
+        demote: ``"cost"`` (demote what is faster to reload than to recompute, the default)
+            or ``"always"`` (`kvevict.tiers.DEMOTE_RULES`).
+    """
+
+    host_blocks: int = attrs.field(validator=_blocks)
+    disk_blocks: int = attrs.field(default=0, validator=_blocks)
+    host_profile: TierProfile | str | None = attrs.field(default=None, validator=_profile)
+    disk_profile: TierProfile | str = attrs.field(default="nvme", validator=_profile)
+    policy: str | None = attrs.field(default=None, validator=_tier_policy)
+    prefetch: bool = attrs.field(default=False, validator=_flag)
+    demote: str = attrs.field(default="cost", validator=_demote)
+
+    def stack(self, cost: CostModel, pool_policy: str | Policy) -> TierStack:
+        """A fresh `kvevict.tiers.TierStack` of these tiers, pricing with ``cost``; its
+        tiers run `policy`, or ``pool_policy`` when that is an online policy's name."""
+        policy = self.policy
+        if policy is None:
+            online = isinstance(pool_policy, str) and not is_offline(pool_policy)
+            policy = pool_policy if online else "lru"
+        elif is_offline(policy):
+            raise ConfigError(f"TierConfig.policy {policy!r} is offline (it needs the future); "
+                              "a tier runs an online policy")
+        host = host_link_profile(cost) if self.host_profile is None else tier_profile(
+            self.host_profile)
+        tiers = [Tier(self.host_blocks, host, policy=policy, name="host")]
+        if self.disk_blocks:
+            tiers.append(Tier(self.disk_blocks, tier_profile(self.disk_profile),
+                              policy=policy, name="disk"))
+        return TierStack(tiers, cost_model=cost, demote=self.demote)
 
 
 class _ZeroCostExecutor(CostModelExecutor):
@@ -68,7 +174,7 @@ def simulate(requests: Iterable[Request], policy: str | Policy = "lru", *,
              cost: CostModel | None = None, config: SchedulerConfig | None = None,
              admission: Admission | None = None, timing: bool = True,
              policy_params: dict[str, Any] | None = None,
-             records: bool | None = None) -> SimResult:
+             records: bool | None = None, tiers: TierConfig | None = None) -> SimResult:
     """Replay ``requests`` and measure.
 
     ``requests``: a list in any order (sorted by arrival here), or any other iterable in
@@ -80,13 +186,20 @@ def simulate(requests: Iterable[Request], policy: str | Policy = "lru", *,
     ``timing=False`` the run is the plain block-level replay (see the module docstring).
     ``records``: keep a `kvevict.run.RequestRecord` per request in `SimResult.records`
     (memory in proportion to the trace); by default when ``requests`` is a list (held whole
-    already), not when it streams.
+    already), not when it streams. ``tiers``: memory tiers below the pool (see **Memory
+    tiers** in the module docstring; timed runs only).
     """
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
         raise ConfigError(f"requests must be an iterable of Request objects, got "
                           f"{type(requests).__name__}")
     if records is not None and not isinstance(records, bool):
         raise ConfigError(f"records must be True, False or None, got {records!r}")
+    if tiers is not None:
+        if not isinstance(tiers, TierConfig):
+            raise ConfigError(f"tiers must be a TierConfig or None, got {type(tiers).__name__}")
+        if not timing:
+            raise ConfigError("tiers= needs a timed run (timing=True): a reload's time is "
+                              "what the tiers cost")
     if capacity_blocks is None:
         if cache_bytes is None or layout is None:
             raise ConfigError("give capacity_blocks=, or cache_bytes= with layout=")
@@ -113,12 +226,20 @@ def simulate(requests: Iterable[Request], policy: str | Policy = "lru", *,
         if isinstance(requests, SequenceABC):
             ordered = list(ordered)
     name = policy if isinstance(policy, str) else type(policy).__name__.lower()
-    policy_obj = build_policy(policy, policy_params, requests=ordered if offline else None,
-                              block_size=block_size,
-                              time_axis="arrival" if timing else "index")
     clock = ManualClock()
     pool = BlockPool(capacity_blocks, block_size, layout, storage=False)
-    manager = KVCacheManager(pool, policy_obj, clock=clock, admission=admission)
+    if tiers is not None and isinstance(policy, str) and not offline:
+        # by name: the manager builds it with the stack's reload-aware cost model
+        stack = tiers.stack(cost or CostModel(), policy)
+        manager = KVCacheManager(pool, policy, clock=clock, admission=admission, tiers=stack,
+                                 **(policy_params or {}))
+    else:
+        policy_obj = build_policy(policy, policy_params, requests=ordered if offline else None,
+                                  block_size=block_size,
+                                  time_axis="arrival" if timing else "index")
+        stack = None if tiers is None else tiers.stack(cost or CostModel(), policy)
+        manager = KVCacheManager(pool, policy_obj, clock=clock, admission=admission,
+                                 tiers=stack)
     if timing:
         executor: CostModelExecutor = CostModelExecutor(cost or CostModel(), clock)
         cfg = config or SchedulerConfig()
@@ -126,7 +247,8 @@ def simulate(requests: Iterable[Request], policy: str | Policy = "lru", *,
         executor = _ZeroCostExecutor(cost or CostModel(), clock)
         cfg = SchedulerConfig(max_num_batched_tokens=2**62, max_num_seqs=1)
     collector = RunCollector(block_size, executor.cost, records=records)
+    transfers = None if tiers is None else TierTransfers(manager, prefetch=tiers.prefetch)
     scheduler = Scheduler(manager, executor, cfg, on_finish=collector.finish,
-                          keep_finished=False)
+                          keep_finished=False, transfers=transfers)
     drive(scheduler, ordered, clock, on_add=collector.admit)
     return collector.result(scheduler, clock, name)

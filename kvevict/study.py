@@ -5,7 +5,10 @@ A `Study` says where the requests come from (`Source`: a generated workload, one
 seed, or a trace file), the model's layout, the block size, the cost model and the
 scheduler's settings. A `Cell` is one simulation of it: a policy at a cache size on one
 seed's requests. `run_cell` runs one and returns its `SimResult.summary` plus the seed (and
-the per-request records when the cell asks for them); `run_cells` runs a list of them:
+the per-request records when the cell asks for them); `run_cells` runs a list of them.
+A study's ``tiers`` (`kvevict.sim.TierConfig`, or a cell's own) put memory tiers below the
+pool of its timed cells; each such cell's summary then has ``tiers`` (what moved, the links'
+load):
 
 - ``jobs=1``: one after another, in this process;
 - ``jobs=N``: in ``N`` worker processes (`concurrent.futures.ProcessPoolExecutor`);
@@ -32,6 +35,7 @@ from kvevict.errors import ConfigError
 from kvevict.layout import KVLayout
 from kvevict.policies.market.admission import admission_for, check_admission
 from kvevict.scheduler import SchedulerConfig
+from kvevict.sim import TierConfig
 from kvevict.types import Request
 
 __all__ = ["Cell", "Source", "Study", "TraceRequests", "run_cell", "run_cells"]
@@ -132,6 +136,16 @@ class Study:
     #: (``"admission"``)
     admission: str = attrs.field(default="always",
                                  validator=lambda _study, _attribute, v: check_admission(v))
+    #: memory tiers below the pool of every timed cell (`kvevict.sim.TierConfig`; a cell's
+    #: own ``tiers`` replaces them); None: GPU only
+    tiers: TierConfig | None = attrs.field(default=None,
+                                           validator=lambda _s, _a, v: _check_tiers(v))
+
+
+def _check_tiers(value: Any) -> None:
+    if value is not None and not isinstance(value, TierConfig):
+        raise ConfigError(f"tiers must be a kvevict.sim.TierConfig or None, got "
+                          f"{type(value).__name__}")
 
 
 #: what a cell runs: the timed simulation, or the exact untimed replay (`kvevict.replay`)
@@ -155,11 +169,17 @@ class Cell:
     #: return every request's TTFT (``"ttfts"``: `SimResult.ttfts`, 8 bytes a request), for
     #: a TTFT CDF without the records
     ttfts: bool = False
+    #: memory tiers of this cell (`kvevict.sim.TierConfig`), in place of the study's; None:
+    #: the study's
+    tiers: TierConfig | None = attrs.field(default=None, order=False,
+                                           validator=lambda _s, _a, v: _check_tiers(v))
 
     @mode.validator
     def _check_mode(self, attribute: Any, value: Any) -> None:
         if value not in MODES:
             raise ConfigError(f"a cell's mode is one of {', '.join(MODES)}, got {value!r}")
+        if self.tiers is not None and value != "timed":
+            raise ConfigError("only a timed cell has memory tiers (the replay has no clock)")
         if self.capacity_blocks is None and value != "replay":
             raise ConfigError("only a replay cell may have an unbounded pool "
                               "(capacity_blocks=None)")
@@ -196,7 +216,8 @@ def run_cell(study: Study, cell: Cell) -> dict[str, Any]:
     result = simulate(requests, policy, admission=admission,
                       capacity_blocks=cell.capacity_blocks, layout=study.layout,
                       block_size=study.block_size, cost=study.cost, config=study.config,
-                      records=cell.records)
+                      records=cell.records,
+                      tiers=cell.tiers if cell.tiers is not None else study.tiers)
     out = result.summary()
     out["seed"] = cell.seed
     if study.admission != "always":  # which cells deferred: the market's, not LRU's

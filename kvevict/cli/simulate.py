@@ -7,7 +7,9 @@ The steps, in order:
 1. **the box** (`kvevict.box`): a GPU profile (``--gpu``, ``--gpus``,
    ``--gpu-memory-utilization``) gives the cost model and the KV capacity vLLM would leave;
    a ``--cache-gib`` / ``--cache-blocks`` beyond it is an error unless
-   ``--allow-oversubscribe``;
+   ``--allow-oversubscribe``. ``--host-gib`` / ``--host-x`` (and ``--disk-gib`` /
+   ``--disk-x`` below it) put memory tiers under the GPU's KV (`kvevict.sim.TierConfig`,
+   docs/tiers_sim.md): every timed cell then reloads over the box's host link;
 2. **the load** (`kvevict.load`): the offered load ρ of the requests on that box, after
    ``--rate-scale`` or the scale ``--target-load`` finds; ρ ≥ 1 is reported as unstable, and
    then no decision is made on latencies;
@@ -104,6 +106,25 @@ def add_parser(sub: Any) -> None:
                      help="KV cache size in GiB (default: what the box leaves for KV)")
     cap.add_argument("--cache-blocks", type=int, default=None,
                      help="KV cache size in blocks (default: what the box leaves for KV)")
+    tiers = sim.add_argument_group("memory tiers below the GPU's KV (docs/tiers_sim.md)")
+    host = tiers.add_mutually_exclusive_group()
+    host.add_argument("--host-gib", type=float, default=None,
+                      help="a host-memory KV tier of X GiB, reloaded over the box's GPU host "
+                           "link (default: none)")
+    host.add_argument("--host-x", type=float, default=None,
+                      help="a host-memory KV tier of X times the GPU KV capacity")
+    disk = tiers.add_mutually_exclusive_group()
+    disk.add_argument("--disk-gib", type=float, default=None,
+                      help="a disk KV tier of Y GiB below the host tier (PCIe 5.0 NVMe, "
+                           "kvevict.tiers' nvme profile; needs --host-gib or --host-x)")
+    disk.add_argument("--disk-x", type=float, default=None,
+                      help="a disk KV tier of Y times the GPU KV capacity")
+    tiers.add_argument("--prefetch", action="store_true",
+                       help="start loading a waiting request's lower-tier prefix while it is "
+                            "queued (CachedAttention)")
+    tiers.add_argument("--tier-policy", default=None,
+                       help="the tiers' residency policy (default: each cell's own policy; "
+                            "LRU for an offline one)")
     sim.add_argument("--allow-oversubscribe", action="store_true",
                      help="allow a cache larger than the box holds (a what-if study; "
                           "recorded in results.json)")
@@ -210,6 +231,43 @@ def _check(args: argparse.Namespace) -> None:
                               f"{', '.join(map(str, bad)) or '(none)'}")
     if args.ray_address is not None and not args.ray:
         raise ConfigError("--ray-address names the cluster for --ray; add --ray")
+    for flag in ("host_gib", "host_x", "disk_gib", "disk_x"):
+        value = getattr(args, flag)
+        if value is not None and not 0 < value < float("inf"):
+            name = "--" + flag.replace("_", "-")
+            raise ConfigError(f"{name} takes a positive finite size, got {value}")
+    has_host = args.host_gib is not None or args.host_x is not None
+    if (args.disk_gib is not None or args.disk_x is not None) and not has_host:
+        raise ConfigError("a disk tier sits below the host tier: give --host-gib or --host-x "
+                          "with --disk-gib / --disk-x")
+    if (args.prefetch or args.tier_policy is not None) and not has_host:
+        flag = "--prefetch" if args.prefetch else "--tier-policy"
+        raise ConfigError(f"{flag} applies to memory tiers: give --host-gib or --host-x")
+
+
+def tier_blocks(args: argparse.Namespace, capacity: int, bytes_per_block: int,
+                block_size: int, model: str) -> tuple[int, int]:
+    """The host and disk tiers' blocks the flags ask for: ``--host-gib`` / ``--disk-gib``
+    in GiB of blocks of ``bytes_per_block``, ``--host-x`` / ``--disk-x`` as a multiple of the
+    GPU's ``capacity`` (rounded); ``(0, 0)`` without tiers. `ConfigError` for a size that
+    holds no block."""
+    out = []
+    for tier in ("host", "disk"):
+        gib, times = getattr(args, f"{tier}_gib"), getattr(args, f"{tier}_x")
+        if gib is not None:
+            blocks = int(gib * GIB // bytes_per_block)
+            if blocks < 1:
+                raise ConfigError(f"--{tier}-gib {gib:g} holds no block of {block_size} tokens "
+                                  f"of {model} ({bytes_per_block:,} bytes per block)")
+        elif times is not None:
+            blocks = round(times * capacity)
+            if blocks < 1:
+                raise ConfigError(f"--{tier}-x {times:g} of {capacity:,} GPU blocks is no block; "
+                                  "give a larger multiple")
+        else:
+            blocks = 0
+        out.append(blocks)
+    return out[0], out[1]
 
 
 def _admission(name: str, policies: list[str]) -> str:
@@ -328,8 +386,15 @@ def simulate_command(args: argparse.Namespace) -> int:
         import attrs
 
         source = attrs.evolve(source, rate_scale=rate_scale)
+    tiers, tiers_desc = _tiers(args, capacity, layout, block_size, cost)
+    if tiers is not None:
+        import attrs
+
+        bpb = layout.bytes_per_block(block_size)
+        box = attrs.evolve(box, host_memory_bytes=tiers.host_blocks * bpb,
+                           disk_bytes=tiers.disk_blocks * bpb or None)
     study = Study(source, layout, block_size, cost, config, tuple(args.policy_module),
-                  admission=args.admission)
+                  admission=args.admission, tiers=tiers)
     load = offered_load(study_requests(study, seeds[0]), cost, block_size,
                         max_batch=config.max_num_seqs)
     load_info = {**load.to_dict(), "rho": load.rho, "stable": load.stable,
@@ -372,6 +437,8 @@ def simulate_command(args: argparse.Namespace) -> int:
     if unstable_message:
         print(f"warning: {unstable_message}; no decision is made on latencies")
     print(f"admission: {admission}")
+    if tiers_desc:
+        print(f"tiers: {tiers_desc}")
 
     # at the decided size: every request's TTFT for the CDF (every seed, with its band), and
     # the full records only with --records (a dict per request: memory in proportion to it)
@@ -425,6 +492,11 @@ def simulate_command(args: argparse.Namespace) -> int:
                     "gpu_memory_utilization": box.gpu_memory_utilization,
                     "kv_capacity": kv.to_dict(block_size) if kv is not None else None},
             "capacity_blocks": capacity, "oversubscribed": oversubscribed,
+            "tiers": None if tiers is None else {
+                "host_blocks": tiers.host_blocks, "disk_blocks": tiers.disk_blocks,
+                "host_memory_bytes": box.host_memory_bytes, "disk_bytes": box.disk_bytes,
+                "prefetch": tiers.prefetch, "policy": tiers.policy, "demote": tiers.demote,
+                "description": tiers_desc},
             "load": load_info, "cost_model": cost.to_dict(), "admission": args.admission,
             "scheduler": {"max_num_batched_tokens": config.max_num_batched_tokens,
                           "max_num_seqs": config.max_num_seqs,
@@ -477,6 +549,40 @@ def simulate_command(args: argparse.Namespace) -> int:
             print(f"note: {exc}", file=sys.stderr)
         print(f"wrote {', '.join(written)} to {out}")
     return 0
+
+
+def _tiers(args: argparse.Namespace, capacity: int, layout: KVLayout, block_size: int,
+           cost: Any) -> tuple[Any, str | None]:
+    """The `kvevict.sim.TierConfig` the tier flags ask for and a line describing it, or
+    ``(None, None)`` without tiers."""
+    from kvevict.policies.registry import POLICIES, is_offline
+    from kvevict.sim import TierConfig, host_link_profile
+    from kvevict.tiers import TIER_PROFILES
+
+    bpb = layout.bytes_per_block(block_size)
+    host, disk = tier_blocks(args, capacity, bpb, block_size, layout.name or "this model")
+    if not host:
+        return None, None
+    if args.tier_policy is not None:
+        if args.tier_policy not in POLICIES:
+            raise ConfigError(f"unknown policy {args.tier_policy!r} for --tier-policy; valid "
+                              f"policies: {', '.join(POLICIES.names())}")
+        if is_offline(args.tier_policy):
+            raise ConfigError(f"--tier-policy {args.tier_policy} is offline (it needs the "
+                              "future); a tier runs an online policy")
+    tiers = TierConfig(host, disk, policy=args.tier_policy, prefetch=args.prefetch)
+    link = host_link_profile(cost)
+    desc = (f"host {host:,} blocks ({host * bpb / GIB:.2f} GiB, {host / capacity:.3g}x the "
+            f"GPU's) over the box's host link ({link.read_bytes_per_s / 1e9:g} GB/s, "
+            f"{link.latency_s * 1e6:g} us per copy)")
+    if disk:
+        nvme = TIER_PROFILES["nvme"]
+        desc += (f"; disk {disk:,} blocks ({disk * bpb / GIB:.2f} GiB) over NVMe "
+                 f"({nvme.read_bytes_per_s / 1e9:g} GB/s read)")
+    policy = args.tier_policy or "each cell's own (lru for an offline one)"
+    desc += (f"; tier policy: {policy}; prefetch {'on' if args.prefetch else 'off'}; "
+             "metadata only, reloads queued on the links")
+    return tiers, desc
 
 
 def _replay_interval(replays: list[dict[str, Any]], policy: str, capacity: int | None) -> Any:
