@@ -31,12 +31,15 @@ would make them unreachable) unless it cannot be placed; then it is dropped toge
 them. ``demote="always"`` turns the cost rule off (every block goes down while there is
 room). A full tier first makes room by demoting its own policy's victim one tier further.
 
-**Promotion** (`take` then `load`, called by the manager's ``begin`` / ``resume``): the part
-of a request's chain right after its hit in the pool that lives in lower tiers is taken (held
-so that the evictions made for it cannot drop it; a disk block is read and its checksum
-checked here, and a corrupted one is a miss with a logged warning, dropped with its
-descendants), then copied into pool blocks and becomes cached there: a reload, counted by
-tier.
+**Promotion** (`match`, `hold` then `load`, called by the manager's ``begin`` /
+``resume``): the part of a request's chain right after its hit in the pool that lives in
+lower tiers is matched (no side effects), held once the request is known to fit (so that the
+evictions made for it cannot drop it; nothing is read yet), then loaded: each block's bytes
+are read (a disk block's file, its checksum checked), copied into a pool block, and the
+block becomes cached there: a reload, counted by tier. A disk block whose checksum fails at
+load is a miss with a logged warning, dropped with its descendants (the rest of the chain),
+and the reload ends before it. A request that does not fit, or that admission defers, reads
+nothing, however often it is retried.
 
 **Prefix closure across tiers.** A block's parent lives in the same tier or one above it
 (the pool above all), so a chain reads down the tiers from the device and a block is
@@ -738,8 +741,8 @@ class TierStack:
         model: the model's identity for a disk tier's manifest (default: the layout's name).
 
     A `KVCacheManager` given ``tiers=`` binds the stack to its pool (`bind`) and calls
-    `demote`, `take` / `restore` / `load`, `superseded` and `orphaned`; nothing else
-    changes it. ``stats`` (`TierStats`) counts what moved.
+    `demote`, `match` / `hold` / `restore` / `load`, `superseded` and `orphaned`; nothing
+    else changes it. ``stats`` (`TierStats`) counts what moved.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, cost_model: CostModel | None = None,
@@ -778,7 +781,6 @@ class TierStack:
         #: lower-tier blocks by hash: a read-only live view
         self.blocks: Mapping[Any, BlockInfo] = _view(self._where)
         self._below: dict[Any, dict[Any, BlockInfo]] = {}  # parent hash -> lower children
-        self._staged: dict[int, torch.Tensor] = {}  # id(record) -> bytes read by take()
         self._recompute: dict[int, float] = {}  # depth -> recompute seconds
         self._reload_s: list[float] = []  # per-block reload seconds from tier k (index k)
         self._holds_data = False
@@ -1081,8 +1083,6 @@ class TierStack:
         self._unindex(block)
 
     def _unindex(self, block: BlockInfo) -> None:
-        if self._staged:
-            self._staged.pop(id(block), None)
         del self._where[block.block_hash]
         if block.depth > 0:
             kids = self._below.get(block.parent_hash)
@@ -1105,46 +1105,53 @@ class TierStack:
             self._drop(child, "cascade", now)
 
     def take(self, hashes: Sequence[Any], start: int, now: float) -> list[BlockInfo]:
-        """Hold the lower-tier continuation of ``hashes`` from ``start`` for a reload: no
-        tier evicts a held block. A disk block is read and its checksum checked now; the
-        first one that fails is a miss (logged, counted, dropped with its descendants) and
-        ends the continuation. Undo with `restore`, finish with `load`."""
-        out: list[BlockInfo] = []
-        for block in self.match(hashes, start):
-            tier = self._by_name[block.tier]
-            if self._holds_data and tier.store.kind == "disk":
-                data = tier.store.read(block.block_id, block)
-                if data is None:
-                    self._corrupt += 1
-                    self._take_out(block, tier, now)
-                    self._drop(block, "corrupt", now)
-                    break
-                self._staged[id(block)] = data
-            tier.hold(block, now)
-            out.append(block)
-        return out
+        """Hold the lower-tier continuation of ``hashes`` from ``start`` for a reload (`match`
+        then `hold`) and return it. Undo with `restore`, finish with `load`."""
+        blocks = self.match(hashes, start)
+        if blocks:
+            self.hold(blocks, now)
+        return blocks
+
+    def hold(self, blocks: Sequence[BlockInfo], now: float) -> None:
+        """Hold ``blocks`` (a `match`) for a reload: no tier evicts a held block, so the
+        evictions made for the request cannot drop them. Nothing is read here: a disk
+        block's file is read and its checksum checked by `load`, once the request is known
+        to fit (a request that waits for memory and is retried reads nothing). The manager
+        holds only after it checked that the request fits."""
+        by_name = self._by_name
+        for block in blocks:
+            by_name[block.tier].hold(block, now)
 
     def restore(self, blocks: Sequence[BlockInfo], now: float) -> None:
-        """Undo `take`: the blocks stay where they are and may be evicted again."""
+        """Undo `hold`: the blocks stay where they are and may be evicted again."""
         for block in blocks:
-            self._staged.pop(id(block), None)
             tier = self._by_name.get(block.tier)
             if tier is not None:
                 tier.unhold(block, now)
 
-    def load(self, blocks: Sequence[BlockInfo], block_ids: Sequence[int], now: float) -> None:
-        """Finish a reload: copy each taken block's KV into the pool block of the same
-        position in ``block_ids`` and take it out of its tier; counted by tier. The records
-        are then the pool's (``tier == "device"``, ``block_id`` the pool block, no children
-        counted); the caller registers them in the tree."""
+    def load(self, blocks: Sequence[BlockInfo], block_ids: Sequence[int], now: float) -> int:
+        """Finish a reload of held ``blocks`` (a chain): copy each one's KV into the pool
+        block of the same position in ``block_ids`` and take it out of its tier; counted by
+        tier. Return how many were loaded: all of them, unless a disk block's file fails its
+        checksum here. That block is a miss (logged, counted in ``checksum_failures``, never
+        served) and is dropped with its lower-tier descendants (the rest of the chain among
+        them), so the reload ends before it; the pool blocks of the positions from there on
+        are left untouched for the caller to free. The loaded records are then the pool's
+        (``tier == "device"``, ``block_id`` the pool block, no children counted); the caller
+        registers them in the tree."""
         kv = self.pool.kv if self._holds_data else None  # type: ignore[union-attr]
         served = self._served
+        by_name = self._by_name
+        loaded = 0
         for block, block_id in zip(blocks, block_ids, strict=True):
-            tier = self._by_name[block.tier]
+            tier = by_name[block.tier]
             if kv is not None:
-                data = self._staged.get(id(block))
-                if data is None:
-                    data = tier.store.read(block.block_id, block)
+                data = tier.store.read(block.block_id, block)
+                if data is None:  # a torn or corrupted file: a miss, never served
+                    self._corrupt += 1
+                    self._take_out(block, tier, now)
+                    self._drop(block, "corrupt", now)
+                    break
                 kv[:, :, block_id].copy_(data)
             self._take_out(block, tier, now)
             served[tier.index] += 1
@@ -1152,6 +1159,8 @@ class TierStack:
             block.tier = "device"
             block.num_children = 0
             block.ref_count = 0
+            loaded += 1
+        return loaded
 
     def superseded(self, blocks: Sequence[BlockInfo], now: float) -> None:
         """New pool records were cached for ``blocks``: a lower-tier copy of the same hash

@@ -304,6 +304,51 @@ def test_a_corrupted_disk_file_is_a_miss_never_served(tmp_path, caplog, fault):
     m.check()
 
 
+def test_a_checksum_failure_found_at_load_shrinks_the_hit(tmp_path, caplog):
+    """A disk block is read only when it is loaded, after the evictions made for the
+    request: a corrupted one found then ends the reload there (a miss, never served), the
+    chunk is re-sized to the shorter hit and the pool blocks it no longer needs stay free."""
+    lay = LAYOUTS["gqa"](torch.bfloat16)
+    reads = []
+
+    class Counting(DiskStore):
+        def read(self, slot, block):
+            reads.append(block.depth)
+            return super().read(slot, block)
+
+    stack = TierStack([Tier(16, "nvme", store=Counting(tmp_path))], demote="always")
+    m = KVCacheManager(BlockPool(8, BS, lay, device="cpu"), "lru", tiers=stack)
+    w = Writer(m)
+    w.run("a", 0, 4)
+    w.run("b", 100, 8)  # a's 4 blocks go to disk
+    third = next(b for b in stack if b.depth == 2 and b.tokens[0] == 8)
+    path = stack.tiers[0].store.path_of(third.block_hash)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    path.write_bytes(bytes(raw))
+    assert reads == []
+    with caplog.at_level(logging.WARNING, logger="kvevict.tiers"):
+        # 6 blocks; 4 below the pool, then a chunk of one block: 5 pool blocks evicted for it
+        seq = m.begin(req("a2", 0, 6), max_new_tokens=BS)
+    assert "failed its checksum" in caplog.text
+    assert reads == [0, 1, 2]  # depth 2 failed: depth 3 (its child) was never read
+    assert seq.reloaded == (2,) and seq.num_cached_tokens == 2 * BS
+    # the chunk follows the 2-block hit: 2 + 1 blocks, 12 tokens, 12 pending
+    assert len(seq.block_table) == 3 and seq.num_tokens == 3 * BS and seq.num_pending == 3 * BS
+    # 5 of b's blocks were evicted for the 5-block need: 8 - 3 (b's left) - 3 (a2's) free
+    assert m.stats.evictions - 4 == 5 and m.num_free_blocks == 2
+    assert stack.stats.checksum_failures == 1
+    assert stack.stats.drops == {"corrupt": 1, "cascade": 1}
+    assert stack.stats.reloads == 2 and m.stats.block_hits == 2
+    for depth in range(2):  # the two loaded blocks hold what was written for them
+        assert torch.equal(m.pool.kv[:, :, seq.block_table[depth]], w.written[seq.hashes[depth]])
+    assert not path.exists()
+    m.check()
+    m.prefill("a2")
+    m.finish("a2")
+    m.check()
+
+
 def test_a_full_disk_is_back_pressure_not_a_crash(tmp_path, monkeypatch):
     import errno
 
