@@ -521,7 +521,8 @@ class KVCacheManager:
         how many were loaded: fewer when a disk block fails its checksum at load (a miss;
         it and the rest of the chain are dropped, their pool blocks go back)."""
         tiers = self.tiers
-        where = [tiers.tier_index(block) for block in lower]  # type: ignore[union-attr]
+        index_of = tiers.index_of  # type: ignore[union-attr]
+        where = [index_of[block.tier] for block in lower]
         pool = self.pool
         ids = pool.take(len(lower))
         loaded = tiers.load(lower, ids, now)  # type: ignore[union-attr]
@@ -911,6 +912,7 @@ class KVCacheManager:
         demote = self._demote
         by_class = self.stats.evictions_by_class
         freed: list[int] = []
+        evicted: list[BlockInfo] = []  # for the tiers
         error = None
         try:
             for _ in range(count):
@@ -943,8 +945,8 @@ class KVCacheManager:
                 parent = evict_from_tree(block)
                 del records[block_id]
                 freed.append(block_id)
-                if demote is not None:  # to the tier below, or dropped (`kvevict.tiers`)
-                    demote(block, now)
+                if demote is not None:
+                    evicted.append(block)
                 cls = block.workload_class
                 by_class[cls] = by_class.get(cls, 0) + 1
                 if parent is not None:  # the parent became a leaf, hence a candidate
@@ -953,6 +955,8 @@ class KVCacheManager:
                         error = offered
         finally:
             if freed:
+                if evicted:  # to the tier below, or dropped (`kvevict.tiers`), in one burst
+                    demote(evicted, now)  # type: ignore[misc]
                 self.pool.release(freed)
                 self.stats.evictions += len(freed)
         if error is not None:

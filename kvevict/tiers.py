@@ -59,6 +59,7 @@ import hashlib
 import json
 import logging
 import math
+import operator
 import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
@@ -100,6 +101,7 @@ logger = logging.getLogger("kvevict.tiers")
 DEMOTE_RULES = ("cost", "always")
 
 _GB = 1e9
+_HASH_OF = operator.attrgetter("block_hash")
 
 
 def _rate(instance: Any, attribute: Any, value: Any) -> None:
@@ -656,6 +658,51 @@ class Tier:
         self._release(block, now)
         return block
 
+    def swap(self, block: BlockInfo, now: float) -> BlockInfo | None:
+        """`pop_victim` then `add` in one call, for a full tier taking ``block``: the policy's
+        victim leaves (its parent here becomes a candidate if it was its last child) and
+        ``block`` takes its slot. ``block.num_children`` counts its children here, the
+        victim included if it is one (then it counts one less). Returns the victim, or None
+        (``block`` left out) when the tier has no candidate."""
+        candidates = self._candidates
+        if not candidates:
+            return None
+        pop = self._pop
+        victim_id = pop(now) if pop is not None else \
+            self.policy.victim(now)  # type: ignore[union-attr]
+        victim = candidates.pop(victim_id, None)
+        if victim is None:
+            raise PolicyError(f"{self.policy!r}.victim() in tier {self.name!r} returned "
+                              f"{victim_id!r}, which is not one of its candidates",
+                              policy=self.policy, event="victim", block_id=victim_id)
+        if pop is None:
+            self.policy.on_evict(victim, now)  # type: ignore[union-attr]
+        if self._frees:
+            self.store.free(victim_id, victim)
+        records, name = self._records, self.name
+        del records[victim_id]  # (the slot goes to the end of the table, as add puts it)
+        parent = victim.parent
+        if parent is block:
+            block.num_children -= 1
+        elif parent is not None and parent.tier == name and \
+                records.get(parent.block_id) is parent:
+            n = parent.num_children - 1
+            parent.num_children = n
+            if not n and parent.block_id not in self._held:
+                candidates[parent.block_id] = parent
+                self._on_candidate(parent, now)
+        victim.tier = "dropped"
+        block.block_id = victim_id
+        block.tier = name
+        block.ref_count = 0
+        records[victim_id] = block
+        if self._on_insert is not None:
+            self._on_insert(block, now)
+        if not block.num_children:
+            candidates[victim_id] = block
+            self._on_candidate(block, now)
+        return victim
+
     def _release(self, block: BlockInfo, now: float) -> None:
         slot = block.block_id
         del self._records[slot]
@@ -777,11 +824,15 @@ class TierStack:
         self.block_size: int | None = None
         self.bytes_per_block = 0
         self._by_name = {t.name: t for t in tiers}
+        self._held_by_name = {t.name: t.held for t in tiers}
+        #: each tier's index (1 = right below the pool) by its name
+        self.index_of: Mapping[str, int] = _view({t.name: t.index for t in tiers})
         self._where: dict[Any, BlockInfo] = {}  # hash -> record, every lower-tier block
         #: lower-tier blocks by hash: a read-only live view
         self.blocks: Mapping[Any, BlockInfo] = _view(self._where)
         self._below: dict[Any, dict[Any, BlockInfo]] = {}  # parent hash -> lower children
         self._recompute: dict[int, float] = {}  # depth -> recompute seconds
+        self._worth: dict[int, bool] = {}  # depth -> worth demoting into tier 1
         self._reload_s: list[float] = []  # per-block reload seconds from tier k (index k)
         self._holds_data = False
 
@@ -969,11 +1020,11 @@ class TierStack:
         """The lower-tier blocks continuing ``hashes`` from ``start`` (where the pool's hit
         ended), stopping at the first hash no tier holds or one already held; no side
         effects."""
-        where, by_name = self._where, self._by_name
+        where, held = self._where, self._held_by_name
         out: list[BlockInfo] = []
         for i in range(start, len(hashes)):
             block = where.get(hashes[i])
-            if block is None or by_name[block.tier].is_held(block):
+            if block is None or block.block_id in held[block.tier]:
                 break
             out.append(block)
         return out
@@ -988,11 +1039,80 @@ class TierStack:
 
     # -- moves (the manager's hooks) ------------------------------------------------------
 
-    def demote(self, block: BlockInfo, now: float) -> None:
-        """``block`` was just evicted from the pool (its record is out of the tree; its pool
-        block still holds its KV): place it in tier 1, or drop it."""
-        data = self.pool.kv[:, :, block.block_id] if self._holds_data else None  # type: ignore
-        self._place(block, 1, now, data)
+    def demote(self, blocks: Sequence[BlockInfo], now: float) -> None:
+        """``blocks`` were just evicted from the pool, in this order (one eviction burst; their
+        records are out of the tree, their pool blocks still hold their KV): place each in
+        tier 1, or drop it, exactly as one `_place` after another would.
+
+        A metadata-only stack whose tier 1 is its last (a trace replay's host tier) takes
+        the burst in one loop: a full tier swaps the policy's victim for the block in one
+        `Tier.swap` and nothing is read or written."""
+        if self._holds_data or len(self.tiers) > 1:
+            kv = self.pool.kv if self._holds_data else None  # type: ignore[union-attr]
+            place = self._place
+            for block in blocks:
+                place(block, 1, now, None if kv is None else kv[:, :, block.block_id])
+            return
+        tier = self.tiers[0]
+        below, where = self._below, self._where
+        cost_rule, worth = self._cost_rule, self._worth
+        swap, add = tier.swap, tier.add
+        free = tier.num_free
+        placed = lost = dropped = 0
+        for block in blocks:
+            h = block.block_hash
+            kids = below.get(h)
+            if kids is None:
+                if cost_rule:
+                    ok = worth.get(block.depth)
+                    if ok is None:
+                        ok = self._worth_at(block.depth)
+                    if not ok:  # cheaper to recompute, and nothing below depends on it
+                        block.tier = "dropped"
+                        dropped += 1
+                        continue
+                block.num_children = 0
+            else:
+                block.num_children = len(kids)
+            if free:
+                add(block, now)
+                free -= 1
+            else:
+                victim = swap(block, now)
+                if victim is None:  # every block here is held: back-pressure
+                    self._drop(block, "back_pressure", now)
+                    free = tier.num_free
+                    continue
+                # the victim, a leaf of the last tier, has no descendants: it is gone
+                vh = victim.block_hash
+                del where[vh]
+                if victim.depth:
+                    siblings = below.get(victim.parent_hash)
+                    if siblings is not None:
+                        siblings.pop(vh, None)
+                        if not siblings:
+                            del below[victim.parent_hash]
+                lost += 1
+            where[h] = block
+            if block.depth:
+                siblings = below.get(block.parent_hash)
+                if siblings is None:
+                    below[block.parent_hash] = {h: block}
+                else:
+                    siblings[h] = block
+            placed += 1
+        self._demoted[1] += placed
+        drops = self._drops
+        if lost:
+            drops["last_tier"] = drops.get("last_tier", 0) + lost
+        if dropped:
+            drops["cost"] = drops.get("cost", 0) + dropped
+
+    def _worth_at(self, depth: int) -> bool:
+        """Whether a block at ``depth`` is worth demoting into tier 1 by the cost rule
+        (cached by depth)."""
+        ok = self._worth[depth] = self._reload_s[1] < self.recompute_seconds(depth)
+        return ok
 
     def _place(self, block: BlockInfo, k: int, now: float, data: torch.Tensor | None,
                force: bool = False) -> bool:
@@ -1167,6 +1287,8 @@ class TierStack:
         (another sequence computed it meanwhile) is dropped, and its lower-tier children
         become the new record's."""
         where = self._where
+        if where.keys().isdisjoint(map(_HASH_OF, blocks)):  # the common case, at C speed
+            return
         for block in blocks:
             old = where.get(block.block_hash)
             if old is None:

@@ -548,3 +548,51 @@ def test_cli_replay_host_blocks(capsys):
     out = capsys.readouterr().out
     assert "with a host tier of 800 blocks (lru, host-pcie5)" in out
     assert "| policy | pool blocks | hit device | hit host | hit total |" in out
+
+
+# -- the batched demotion equals one placement after another --------------------------------
+
+
+class OneByOne(TierStack):
+    """The reference: each evicted block placed on its own through the general path."""
+
+    def demote(self, blocks, now):
+        for block in blocks:
+            self._place(block, 1, now, None)
+
+
+def _replay_state(stack_type, tier_policy, demote, profile, n=1500):
+    from kvevict import OutOfBlocks
+    from kvevict.replay import open_trace
+
+    trace, block_size = open_trace("mooncake")
+    stack = stack_type([Tier(400, profile, policy=tier_policy, name="host")], demote=demote)
+    m = KVCacheManager(BlockPool(300, block_size), "lru", tiers=stack)
+    for t, request in enumerate(trace):
+        if t == n:
+            break
+        m.clock.set(float(t))
+        try:
+            m.begin(request)
+        except OutOfBlocks:
+            continue
+        m.finish(request.request_id)
+    m.check()
+    tier = stack.tiers[0]
+    table = [(slot, b.block_hash, b.num_children, b.last_access_tick)
+             for slot, b in tier.records.items()]
+    return stack.stats.as_dict(), m.stats.as_dict(), table, sorted(tier.candidates)
+
+
+@pytest.mark.parametrize("tier_policy,demote,latency", [
+    ("lru", "always", None), ("lru", "cost", 0.04), ("lfu", "cost", 0.04),
+    ("lfu", "always", None)])
+def test_a_burst_demoted_at_once_equals_one_block_at_a_time(tier_policy, demote, latency):
+    profile = "host-pcie5" if latency is None else TierProfile("slow", 1e12, 1e12, latency)
+    fast = _replay_state(TierStack, tier_policy, demote, profile)
+    slow = _replay_state(OneByOne, tier_policy, demote, profile)
+    assert fast == slow
+    stats = fast[0]
+    assert stats["reloads"] > 0 and stats["drops"]["last_tier"] > 0
+    if demote == "cost":  # blocks shallower than the crossover (84) were dropped
+        assert stats["drops"]["cost"] > 0
