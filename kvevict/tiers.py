@@ -14,9 +14,10 @@ Every block lives in exactly one tier (exclusive tiers, as SGLang HiCache's ``wr
 policy and vLLM's CPU offloading keep one copy per medium; kvevict moves the record, so a
 block keeps its access history on the way down and back up).
 
-**Demotion** (`demote`, called by the manager's eviction loop for each block it evicts from
-the pool): a block leaving tier ``k`` goes to tier ``k + 1`` when reloading it from there is
-faster than recomputing it, and is dropped otherwise, or when there is no tier ``k + 1``::
+**Demotion** (`demote`, called by the manager's eviction loop once per burst, with the
+blocks it evicted from the pool in order): a block leaving tier ``k`` goes to tier ``k + 1``
+when reloading it from there is faster than recomputing it, and is dropped otherwise, or
+when there is no tier ``k + 1``::
 
     reload_seconds(k + 1) = sum over the hops up to the device of (latency + nbytes / read_bw)
     recompute_seconds     = CostModel.recompute_seconds(depth, block_size)
