@@ -985,9 +985,9 @@ def _tier_lines(tiers: Mapping[str, Any]) -> list[str]:
                      f"{t['reload_s_measured']:.4f}", f"{t['reload_s_predicted_per_block']:.4f}"])
     lines += ["blocks served by each tier and bytes moved, means over each policy's runs "
               "(the unbounded reference runs without tiers); takes = admissions that held "
-              "blocks below the pool (undone: the request could not be admitted and retried, "
-              "its disk blocks read again); reload s = measured seconds of the takes and "
-              "loads, priced s = the links' price of the reloaded blocks one at a time",
+              "blocks below the pool (undone: admission deferred the request; nothing is "
+              "read until the load); reload s = measured seconds of the loads, priced s = "
+              "the links' price of the reloaded blocks one at a time",
               *_table(header, rows)]
     return lines
 

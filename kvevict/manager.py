@@ -429,8 +429,8 @@ class KVCacheManager:
         hashes = seq.hashes
         hit, unreferenced = self.tree.match(hashes, seq.seq_id)
         num_hit = len(hit)  # ``hit`` becomes the sequence's list of cached blocks and grows
-        lower = () if self.tiers is None else self._take_lower(seq, hashes, num_hit)
-        num_lower = len(lower)  # the chain's continuation in lower tiers, held for a reload
+        lower = () if self.tiers is None else self._match_lower(seq, hashes, num_hit)
+        num_lower = len(lower)  # the chain's continuation in lower tiers, to reload
         known = seq.num_known
         hit_tokens = min((num_hit + num_lower) * bs, known)
         target = known if max_new_tokens is None else min(known, hit_tokens + max_new_tokens)
@@ -438,8 +438,7 @@ class KVCacheManager:
         pool = self.pool
         evictable = self.tree.num_evictable - unreferenced
         available = pool.num_free + evictable
-        if need > available:
-            self._restore_lower(lower)
+        if need > available:  # (nothing below the pool was held yet)
             raise OutOfBlocks(
                 f"request {seq.seq_id!r} needs {need} new blocks but only {available} can be "
                 f"freed ({pool.num_free} free, {evictable} evictable cached); the rest is in "
@@ -448,6 +447,8 @@ class KVCacheManager:
             )
         now = self._now()
         try:
+            if num_lower:  # it fits: hold them, so that the evictions made for it keep them
+                self.tiers.hold(lower, now)  # type: ignore[union-attr]
             seq.block_table = self._acquire(hit, now)  # hold the hits: eviction cannot take them
         except BaseException:
             self._restore_lower(lower)
@@ -468,9 +469,14 @@ class KVCacheManager:
                     )
                 self._evict(evictions, now)
             if num_lower:
-                self._reload(seq, lower, now)  # ``hit`` (the cached blocks) grows by them
+                loaded = self._reload(seq, lower, now)  # ``hit`` (the cached blocks) grows
                 lower = ()
-                num_hit += num_lower
+                if loaded < num_lower:  # a block failed its checksum: the hit ends before it
+                    hit_tokens = min((num_hit + loaded) * bs, known)
+                    seq.num_tokens = hit_tokens
+                    if max_new_tokens is not None:
+                        target = min(known, hit_tokens + max_new_tokens)
+                num_hit += loaded
             self._note_hits(hit, seq.request, now)
             self._allocate_to(seq, target, now, "prefill")
             if self._on_admitted is not None:
@@ -499,32 +505,46 @@ class KVCacheManager:
         stats.block_queries += len(hashes)
         stats.block_hits += num_hit
 
-    def _take_lower(self, seq: Sequence, hashes: Any, num_hit: int) -> list[BlockInfo]:
-        """Hold the lower tiers' continuation of ``seq``'s hit for a reload."""
+    def _match_lower(self, seq: Sequence, hashes: Any, num_hit: int) -> list[BlockInfo]:
+        """The lower tiers' continuation of ``seq``'s hit (no side effects: it is held only
+        once the request is known to fit, and read only when it is loaded)."""
         seq.reloaded = ()
-        return self.tiers.take(hashes, num_hit, self._now())  # type: ignore[union-attr]
+        return self.tiers.match(hashes, num_hit)  # type: ignore[union-attr]
 
     def _restore_lower(self, lower: Any) -> None:
         if lower:
             self.tiers.restore(lower, self._last_now)  # type: ignore[union-attr]
 
-    def _reload(self, seq: Sequence, lower: list[BlockInfo], now: float) -> None:
+    def _reload(self, seq: Sequence, lower: list[BlockInfo], now: float) -> int:
         """Copy the held lower-tier blocks into pool blocks (the caller evicted enough) and
-        cache them there, as ``seq``'s next cached blocks: a reload, not a recompute."""
+        cache them there, as ``seq``'s next cached blocks: a reload, not a recompute. Return
+        how many were loaded: fewer when a disk block fails its checksum at load (a miss;
+        it and the rest of the chain are dropped, their pool blocks go back)."""
         tiers = self.tiers
+        index_of = tiers.index_of  # type: ignore[union-attr]
+        where = [index_of[block.tier] for block in lower]
+        pool = self.pool
+        ids = pool.take(len(lower))
+        loaded = tiers.load(lower, ids, now)  # type: ignore[union-attr]
+        if loaded < len(ids):
+            unused = ids[loaded:]
+            pool.decref_all(unused)
+            pool.release(unused[::-1])  # the free list as it was
+            del ids[loaded:]
+            lower = lower[:loaded]
+        self.stats.allocated_blocks += loaded
         counts = [0] * len(tiers.tiers)  # type: ignore[union-attr]
-        for block in lower:
-            counts[tiers.tier_index(block) - 1] += 1  # type: ignore[union-attr]
-        ids = self.pool.take(len(lower))
-        self.stats.allocated_blocks += len(ids)
-        tiers.load(lower, ids, now)  # type: ignore[union-attr]
+        for k in where[:loaded]:
+            counts[k - 1] += 1
         seq.block_table.extend(ids)
         records = self._records
         for block in lower:
             block.ref_count = 1
             records[block.block_id] = block
         seq.reloaded = tuple(counts)
-        self._register(lower, seq, now)
+        if lower:
+            self._register(lower, seq, now)
+        return loaded
 
     def _note_hits(self, hit: list[BlockInfo], request: Request, now: float) -> None:
         """Stamp each hit block's record, then tell the policy: ``on_hit`` per block, then
@@ -892,6 +912,7 @@ class KVCacheManager:
         demote = self._demote
         by_class = self.stats.evictions_by_class
         freed: list[int] = []
+        evicted: list[BlockInfo] = []  # for the tiers
         error = None
         try:
             for _ in range(count):
@@ -924,8 +945,8 @@ class KVCacheManager:
                 parent = evict_from_tree(block)
                 del records[block_id]
                 freed.append(block_id)
-                if demote is not None:  # to the tier below, or dropped (`kvevict.tiers`)
-                    demote(block, now)
+                if demote is not None:
+                    evicted.append(block)
                 cls = block.workload_class
                 by_class[cls] = by_class.get(cls, 0) + 1
                 if parent is not None:  # the parent became a leaf, hence a candidate
@@ -934,6 +955,8 @@ class KVCacheManager:
                         error = offered
         finally:
             if freed:
+                if evicted:  # to the tier below, or dropped (`kvevict.tiers`), in one burst
+                    demote(evicted, now)  # type: ignore[misc]
                 self.pool.release(freed)
                 self.stats.evictions += len(freed)
         if error is not None:

@@ -14,9 +14,10 @@ Every block lives in exactly one tier (exclusive tiers, as SGLang HiCache's ``wr
 policy and vLLM's CPU offloading keep one copy per medium; kvevict moves the record, so a
 block keeps its access history on the way down and back up).
 
-**Demotion** (`demote`, called by the manager's eviction loop for each block it evicts from
-the pool): a block leaving tier ``k`` goes to tier ``k + 1`` when reloading it from there is
-faster than recomputing it, and is dropped otherwise, or when there is no tier ``k + 1``::
+**Demotion** (`demote`, called by the manager's eviction loop once per burst, with the
+blocks it evicted from the pool in order): a block leaving tier ``k`` goes to tier ``k + 1``
+when reloading it from there is faster than recomputing it, and is dropped otherwise, or
+when there is no tier ``k + 1``::
 
     reload_seconds(k + 1) = sum over the hops up to the device of (latency + nbytes / read_bw)
     recompute_seconds     = CostModel.recompute_seconds(depth, block_size)
@@ -31,12 +32,15 @@ would make them unreachable) unless it cannot be placed; then it is dropped toge
 them. ``demote="always"`` turns the cost rule off (every block goes down while there is
 room). A full tier first makes room by demoting its own policy's victim one tier further.
 
-**Promotion** (`take` then `load`, called by the manager's ``begin`` / ``resume``): the part
-of a request's chain right after its hit in the pool that lives in lower tiers is taken (held
-so that the evictions made for it cannot drop it; a disk block is read and its checksum
-checked here, and a corrupted one is a miss with a logged warning, dropped with its
-descendants), then copied into pool blocks and becomes cached there: a reload, counted by
-tier.
+**Promotion** (`match`, `hold` then `load`, called by the manager's ``begin`` /
+``resume``): the part of a request's chain right after its hit in the pool that lives in
+lower tiers is matched (no side effects), held once the request is known to fit (so that the
+evictions made for it cannot drop it; nothing is read yet), then loaded: each block's bytes
+are read (a disk block's file, its checksum checked), copied into a pool block, and the
+block becomes cached there: a reload, counted by tier. A disk block whose checksum fails at
+load is a miss with a logged warning, dropped with its descendants (the rest of the chain),
+and the reload ends before it. A request that does not fit, or that admission defers, reads
+nothing, however often it is retried.
 
 **Prefix closure across tiers.** A block's parent lives in the same tier or one above it
 (the pool above all), so a chain reads down the tiers from the device and a block is
@@ -56,6 +60,7 @@ import hashlib
 import json
 import logging
 import math
+import operator
 import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
@@ -97,6 +102,7 @@ logger = logging.getLogger("kvevict.tiers")
 DEMOTE_RULES = ("cost", "always")
 
 _GB = 1e9
+_HASH_OF = operator.attrgetter("block_hash")
 
 
 def _rate(instance: Any, attribute: Any, value: Any) -> None:
@@ -653,6 +659,51 @@ class Tier:
         self._release(block, now)
         return block
 
+    def swap(self, block: BlockInfo, now: float) -> BlockInfo | None:
+        """`pop_victim` then `add` in one call, for a full tier taking ``block``: the policy's
+        victim leaves (its parent here becomes a candidate if it was its last child) and
+        ``block`` takes its slot. ``block.num_children`` counts its children here, the
+        victim included if it is one (then it counts one less). Returns the victim, or None
+        (``block`` left out) when the tier has no candidate."""
+        candidates = self._candidates
+        if not candidates:
+            return None
+        pop = self._pop
+        victim_id = pop(now) if pop is not None else \
+            self.policy.victim(now)  # type: ignore[union-attr]
+        victim = candidates.pop(victim_id, None)
+        if victim is None:
+            raise PolicyError(f"{self.policy!r}.victim() in tier {self.name!r} returned "
+                              f"{victim_id!r}, which is not one of its candidates",
+                              policy=self.policy, event="victim", block_id=victim_id)
+        if pop is None:
+            self.policy.on_evict(victim, now)  # type: ignore[union-attr]
+        if self._frees:
+            self.store.free(victim_id, victim)
+        records, name = self._records, self.name
+        del records[victim_id]  # (the slot goes to the end of the table, as add puts it)
+        parent = victim.parent
+        if parent is block:
+            block.num_children -= 1
+        elif parent is not None and parent.tier == name and \
+                records.get(parent.block_id) is parent:
+            n = parent.num_children - 1
+            parent.num_children = n
+            if not n and parent.block_id not in self._held:
+                candidates[parent.block_id] = parent
+                self._on_candidate(parent, now)
+        victim.tier = "dropped"
+        block.block_id = victim_id
+        block.tier = name
+        block.ref_count = 0
+        records[victim_id] = block
+        if self._on_insert is not None:
+            self._on_insert(block, now)
+        if not block.num_children:
+            candidates[victim_id] = block
+            self._on_candidate(block, now)
+        return victim
+
     def _release(self, block: BlockInfo, now: float) -> None:
         slot = block.block_id
         del self._records[slot]
@@ -738,8 +789,8 @@ class TierStack:
         model: the model's identity for a disk tier's manifest (default: the layout's name).
 
     A `KVCacheManager` given ``tiers=`` binds the stack to its pool (`bind`) and calls
-    `demote`, `take` / `restore` / `load`, `superseded` and `orphaned`; nothing else
-    changes it. ``stats`` (`TierStats`) counts what moved.
+    `demote`, `match` / `hold` / `restore` / `load`, `superseded` and `orphaned`; nothing
+    else changes it. ``stats`` (`TierStats`) counts what moved.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, cost_model: CostModel | None = None,
@@ -774,12 +825,15 @@ class TierStack:
         self.block_size: int | None = None
         self.bytes_per_block = 0
         self._by_name = {t.name: t for t in tiers}
+        self._held_by_name = {t.name: t.held for t in tiers}
+        #: each tier's index (1 = right below the pool) by its name
+        self.index_of: Mapping[str, int] = _view({t.name: t.index for t in tiers})
         self._where: dict[Any, BlockInfo] = {}  # hash -> record, every lower-tier block
         #: lower-tier blocks by hash: a read-only live view
         self.blocks: Mapping[Any, BlockInfo] = _view(self._where)
         self._below: dict[Any, dict[Any, BlockInfo]] = {}  # parent hash -> lower children
-        self._staged: dict[int, torch.Tensor] = {}  # id(record) -> bytes read by take()
         self._recompute: dict[int, float] = {}  # depth -> recompute seconds
+        self._worth: dict[int, bool] = {}  # depth -> worth demoting into tier 1
         self._reload_s: list[float] = []  # per-block reload seconds from tier k (index k)
         self._holds_data = False
 
@@ -967,11 +1021,11 @@ class TierStack:
         """The lower-tier blocks continuing ``hashes`` from ``start`` (where the pool's hit
         ended), stopping at the first hash no tier holds or one already held; no side
         effects."""
-        where, by_name = self._where, self._by_name
+        where, held = self._where, self._held_by_name
         out: list[BlockInfo] = []
         for i in range(start, len(hashes)):
             block = where.get(hashes[i])
-            if block is None or by_name[block.tier].is_held(block):
+            if block is None or block.block_id in held[block.tier]:
                 break
             out.append(block)
         return out
@@ -986,11 +1040,80 @@ class TierStack:
 
     # -- moves (the manager's hooks) ------------------------------------------------------
 
-    def demote(self, block: BlockInfo, now: float) -> None:
-        """``block`` was just evicted from the pool (its record is out of the tree; its pool
-        block still holds its KV): place it in tier 1, or drop it."""
-        data = self.pool.kv[:, :, block.block_id] if self._holds_data else None  # type: ignore
-        self._place(block, 1, now, data)
+    def demote(self, blocks: Sequence[BlockInfo], now: float) -> None:
+        """``blocks`` were just evicted from the pool, in this order (one eviction burst; their
+        records are out of the tree, their pool blocks still hold their KV): place each in
+        tier 1, or drop it, exactly as one `_place` after another would.
+
+        A metadata-only stack whose tier 1 is its last (a trace replay's host tier) takes
+        the burst in one loop: a full tier swaps the policy's victim for the block in one
+        `Tier.swap` and nothing is read or written."""
+        if self._holds_data or len(self.tiers) > 1:
+            kv = self.pool.kv if self._holds_data else None  # type: ignore[union-attr]
+            place = self._place
+            for block in blocks:
+                place(block, 1, now, None if kv is None else kv[:, :, block.block_id])
+            return
+        tier = self.tiers[0]
+        below, where = self._below, self._where
+        cost_rule, worth = self._cost_rule, self._worth
+        swap, add = tier.swap, tier.add
+        free = tier.num_free
+        placed = lost = dropped = 0
+        for block in blocks:
+            h = block.block_hash
+            kids = below.get(h)
+            if kids is None:
+                if cost_rule:
+                    ok = worth.get(block.depth)
+                    if ok is None:
+                        ok = self._worth_at(block.depth)
+                    if not ok:  # cheaper to recompute, and nothing below depends on it
+                        block.tier = "dropped"
+                        dropped += 1
+                        continue
+                block.num_children = 0
+            else:
+                block.num_children = len(kids)
+            if free:
+                add(block, now)
+                free -= 1
+            else:
+                victim = swap(block, now)
+                if victim is None:  # every block here is held: back-pressure
+                    self._drop(block, "back_pressure", now)
+                    free = tier.num_free
+                    continue
+                # the victim, a leaf of the last tier, has no descendants: it is gone
+                vh = victim.block_hash
+                del where[vh]
+                if victim.depth:
+                    siblings = below.get(victim.parent_hash)
+                    if siblings is not None:
+                        siblings.pop(vh, None)
+                        if not siblings:
+                            del below[victim.parent_hash]
+                lost += 1
+            where[h] = block
+            if block.depth:
+                siblings = below.get(block.parent_hash)
+                if siblings is None:
+                    below[block.parent_hash] = {h: block}
+                else:
+                    siblings[h] = block
+            placed += 1
+        self._demoted[1] += placed
+        drops = self._drops
+        if lost:
+            drops["last_tier"] = drops.get("last_tier", 0) + lost
+        if dropped:
+            drops["cost"] = drops.get("cost", 0) + dropped
+
+    def _worth_at(self, depth: int) -> bool:
+        """Whether a block at ``depth`` is worth demoting into tier 1 by the cost rule
+        (cached by depth)."""
+        ok = self._worth[depth] = self._reload_s[1] < self.recompute_seconds(depth)
+        return ok
 
     def _place(self, block: BlockInfo, k: int, now: float, data: torch.Tensor | None,
                force: bool = False) -> bool:
@@ -1081,8 +1204,6 @@ class TierStack:
         self._unindex(block)
 
     def _unindex(self, block: BlockInfo) -> None:
-        if self._staged:
-            self._staged.pop(id(block), None)
         del self._where[block.block_hash]
         if block.depth > 0:
             kids = self._below.get(block.parent_hash)
@@ -1105,46 +1226,53 @@ class TierStack:
             self._drop(child, "cascade", now)
 
     def take(self, hashes: Sequence[Any], start: int, now: float) -> list[BlockInfo]:
-        """Hold the lower-tier continuation of ``hashes`` from ``start`` for a reload: no
-        tier evicts a held block. A disk block is read and its checksum checked now; the
-        first one that fails is a miss (logged, counted, dropped with its descendants) and
-        ends the continuation. Undo with `restore`, finish with `load`."""
-        out: list[BlockInfo] = []
-        for block in self.match(hashes, start):
-            tier = self._by_name[block.tier]
-            if self._holds_data and tier.store.kind == "disk":
-                data = tier.store.read(block.block_id, block)
-                if data is None:
-                    self._corrupt += 1
-                    self._take_out(block, tier, now)
-                    self._drop(block, "corrupt", now)
-                    break
-                self._staged[id(block)] = data
-            tier.hold(block, now)
-            out.append(block)
-        return out
+        """Hold the lower-tier continuation of ``hashes`` from ``start`` for a reload (`match`
+        then `hold`) and return it. Undo with `restore`, finish with `load`."""
+        blocks = self.match(hashes, start)
+        if blocks:
+            self.hold(blocks, now)
+        return blocks
+
+    def hold(self, blocks: Sequence[BlockInfo], now: float) -> None:
+        """Hold ``blocks`` (a `match`) for a reload: no tier evicts a held block, so the
+        evictions made for the request cannot drop them. Nothing is read here: a disk
+        block's file is read and its checksum checked by `load`, once the request is known
+        to fit (a request that waits for memory and is retried reads nothing). The manager
+        holds only after it checked that the request fits."""
+        by_name = self._by_name
+        for block in blocks:
+            by_name[block.tier].hold(block, now)
 
     def restore(self, blocks: Sequence[BlockInfo], now: float) -> None:
-        """Undo `take`: the blocks stay where they are and may be evicted again."""
+        """Undo `hold`: the blocks stay where they are and may be evicted again."""
         for block in blocks:
-            self._staged.pop(id(block), None)
             tier = self._by_name.get(block.tier)
             if tier is not None:
                 tier.unhold(block, now)
 
-    def load(self, blocks: Sequence[BlockInfo], block_ids: Sequence[int], now: float) -> None:
-        """Finish a reload: copy each taken block's KV into the pool block of the same
-        position in ``block_ids`` and take it out of its tier; counted by tier. The records
-        are then the pool's (``tier == "device"``, ``block_id`` the pool block, no children
-        counted); the caller registers them in the tree."""
+    def load(self, blocks: Sequence[BlockInfo], block_ids: Sequence[int], now: float) -> int:
+        """Finish a reload of held ``blocks`` (a chain): copy each one's KV into the pool
+        block of the same position in ``block_ids`` and take it out of its tier; counted by
+        tier. Return how many were loaded: all of them, unless a disk block's file fails its
+        checksum here. That block is a miss (logged, counted in ``checksum_failures``, never
+        served) and is dropped with its lower-tier descendants (the rest of the chain among
+        them), so the reload ends before it; the pool blocks of the positions from there on
+        are left untouched for the caller to free. The loaded records are then the pool's
+        (``tier == "device"``, ``block_id`` the pool block, no children counted); the caller
+        registers them in the tree."""
         kv = self.pool.kv if self._holds_data else None  # type: ignore[union-attr]
         served = self._served
+        by_name = self._by_name
+        loaded = 0
         for block, block_id in zip(blocks, block_ids, strict=True):
-            tier = self._by_name[block.tier]
+            tier = by_name[block.tier]
             if kv is not None:
-                data = self._staged.get(id(block))
-                if data is None:
-                    data = tier.store.read(block.block_id, block)
+                data = tier.store.read(block.block_id, block)
+                if data is None:  # a torn or corrupted file: a miss, never served
+                    self._corrupt += 1
+                    self._take_out(block, tier, now)
+                    self._drop(block, "corrupt", now)
+                    break
                 kv[:, :, block_id].copy_(data)
             self._take_out(block, tier, now)
             served[tier.index] += 1
@@ -1152,12 +1280,16 @@ class TierStack:
             block.tier = "device"
             block.num_children = 0
             block.ref_count = 0
+            loaded += 1
+        return loaded
 
     def superseded(self, blocks: Sequence[BlockInfo], now: float) -> None:
         """New pool records were cached for ``blocks``: a lower-tier copy of the same hash
         (another sequence computed it meanwhile) is dropped, and its lower-tier children
         become the new record's."""
         where = self._where
+        if where.keys().isdisjoint(map(_HASH_OF, blocks)):  # the common case, at C speed
+            return
         for block in blocks:
             old = where.get(block.block_hash)
             if old is None:

@@ -304,6 +304,51 @@ def test_a_corrupted_disk_file_is_a_miss_never_served(tmp_path, caplog, fault):
     m.check()
 
 
+def test_a_checksum_failure_found_at_load_shrinks_the_hit(tmp_path, caplog):
+    """A disk block is read only when it is loaded, after the evictions made for the
+    request: a corrupted one found then ends the reload there (a miss, never served), the
+    chunk is re-sized to the shorter hit and the pool blocks it no longer needs stay free."""
+    lay = LAYOUTS["gqa"](torch.bfloat16)
+    reads = []
+
+    class Counting(DiskStore):
+        def read(self, slot, block):
+            reads.append(block.depth)
+            return super().read(slot, block)
+
+    stack = TierStack([Tier(16, "nvme", store=Counting(tmp_path))], demote="always")
+    m = KVCacheManager(BlockPool(8, BS, lay, device="cpu"), "lru", tiers=stack)
+    w = Writer(m)
+    w.run("a", 0, 4)
+    w.run("b", 100, 8)  # a's 4 blocks go to disk
+    third = next(b for b in stack if b.depth == 2 and b.tokens[0] == 8)
+    path = stack.tiers[0].store.path_of(third.block_hash)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    path.write_bytes(bytes(raw))
+    assert reads == []
+    with caplog.at_level(logging.WARNING, logger="kvevict.tiers"):
+        # 6 blocks; 4 below the pool, then a chunk of one block: 5 pool blocks evicted for it
+        seq = m.begin(req("a2", 0, 6), max_new_tokens=BS)
+    assert "failed its checksum" in caplog.text
+    assert reads == [0, 1, 2]  # depth 2 failed: depth 3 (its child) was never read
+    assert seq.reloaded == (2,) and seq.num_cached_tokens == 2 * BS
+    # the chunk follows the 2-block hit: 2 + 1 blocks, 12 tokens, 12 pending
+    assert len(seq.block_table) == 3 and seq.num_tokens == 3 * BS and seq.num_pending == 3 * BS
+    # 5 of b's blocks were evicted for the 5-block need: 8 - 3 (b's left) - 3 (a2's) free
+    assert m.stats.evictions - 4 == 5 and m.num_free_blocks == 2
+    assert stack.stats.checksum_failures == 1
+    assert stack.stats.drops == {"corrupt": 1, "cascade": 1}
+    assert stack.stats.reloads == 2 and m.stats.block_hits == 2
+    for depth in range(2):  # the two loaded blocks hold what was written for them
+        assert torch.equal(m.pool.kv[:, :, seq.block_table[depth]], w.written[seq.hashes[depth]])
+    assert not path.exists()
+    m.check()
+    m.prefill("a2")
+    m.finish("a2")
+    m.check()
+
+
 def test_a_full_disk_is_back_pressure_not_a_crash(tmp_path, monkeypatch):
     import errno
 
@@ -503,3 +548,51 @@ def test_cli_replay_host_blocks(capsys):
     out = capsys.readouterr().out
     assert "with a host tier of 800 blocks (lru, host-pcie5)" in out
     assert "| policy | pool blocks | hit device | hit host | hit total |" in out
+
+
+# -- the batched demotion equals one placement after another --------------------------------
+
+
+class OneByOne(TierStack):
+    """The reference: each evicted block placed on its own through the general path."""
+
+    def demote(self, blocks, now):
+        for block in blocks:
+            self._place(block, 1, now, None)
+
+
+def _replay_state(stack_type, tier_policy, demote, profile, n=1500):
+    from kvevict import OutOfBlocks
+    from kvevict.replay import open_trace
+
+    trace, block_size = open_trace("mooncake")
+    stack = stack_type([Tier(400, profile, policy=tier_policy, name="host")], demote=demote)
+    m = KVCacheManager(BlockPool(300, block_size), "lru", tiers=stack)
+    for t, request in enumerate(trace):
+        if t == n:
+            break
+        m.clock.set(float(t))
+        try:
+            m.begin(request)
+        except OutOfBlocks:
+            continue
+        m.finish(request.request_id)
+    m.check()
+    tier = stack.tiers[0]
+    table = [(slot, b.block_hash, b.num_children, b.last_access_tick)
+             for slot, b in tier.records.items()]
+    return stack.stats.as_dict(), m.stats.as_dict(), table, sorted(tier.candidates)
+
+
+@pytest.mark.parametrize("tier_policy,demote,latency", [
+    ("lru", "always", None), ("lru", "cost", 0.04), ("lfu", "cost", 0.04),
+    ("lfu", "always", None)])
+def test_a_burst_demoted_at_once_equals_one_block_at_a_time(tier_policy, demote, latency):
+    profile = "host-pcie5" if latency is None else TierProfile("slow", 1e12, 1e12, latency)
+    fast = _replay_state(TierStack, tier_policy, demote, profile)
+    slow = _replay_state(OneByOne, tier_policy, demote, profile)
+    assert fast == slow
+    stats = fast[0]
+    assert stats["reloads"] > 0 and stats["drops"]["last_tier"] > 0
+    if demote == "cost":  # blocks shallower than the crossover (84) were dropped
+        assert stats["drops"]["cost"] > 0

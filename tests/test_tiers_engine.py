@@ -21,6 +21,7 @@ import shutil
 import pytest
 import torch
 
+from kvevict.admission import Admission, AdmissionDecision
 from kvevict.cli import main
 from kvevict.cost import CostModel
 from kvevict.engine import LlamaModel, ModelConfig
@@ -34,11 +35,11 @@ from kvevict.engine.tiers import (
     measure_link,
     measure_recompute,
 )
-from kvevict.errors import ConfigError, OutOfBlocks
+from kvevict.errors import AdmissionDeferred, ConfigError, OutOfBlocks
 from kvevict.manager import KVCacheManager
 from kvevict.pool import BlockPool
 from kvevict.scheduler import SchedulerConfig
-from kvevict.tiers import TierProfile
+from kvevict.tiers import DiskStore, Tier, TierProfile
 from kvevict.types import ManualClock, Request
 from kvevict.workloads import generate
 
@@ -327,7 +328,7 @@ def test_measure_link_and_recompute_shapes(model, tmp_path):
         measure_link("tape", layout, BLOCK)
 
 
-def test_timed_stack_times_take_and_load(model, tmp_path):
+def test_timed_stack_times_the_load(model, tmp_path):
     layout = model.config.layout()
     stack = engine_tiers(layout, BLOCK, host_bytes=8 * layout.bytes_per_block(BLOCK),
                          demote="always", timer=fake_timer(1.0))
@@ -338,9 +339,9 @@ def test_timed_stack_times_take_and_load(model, tmp_path):
     prefill(manager, model, "b", prompt(20, 4))
     manager.begin(Request("c", tokens=prompt(0, 2)), max_new_tokens=0)
     assert stack.reload_batches == 1
-    # c's take (a's two blocks) and its load, one tick of the 1-second fake clock each; the
-    # takes of a and b found nothing below the pool: no reload, not counted
-    assert stack.reload_seconds_measured == 2.0
+    # c's load (a's two blocks), one tick of the 1-second fake clock; its take (a hold) reads
+    # nothing and is not timed; a and b found nothing below the pool: no take
+    assert stack.reload_seconds_measured == 1.0
     assert (stack.takes, stack.restored_takes) == (1, 0)
 
 
@@ -383,7 +384,7 @@ def test_engine_bench_tier_options_are_checked(capsys, tmp_path):
     assert rc == 2 and "exists and is not a directory" in capsys.readouterr().err
 
 
-def test_an_admission_that_fails_undoes_its_take(model):
+def test_a_request_that_does_not_fit_takes_nothing(model):
     layout = model.config.layout()
     stack = engine_tiers(layout, BLOCK, host_bytes=8 * layout.bytes_per_block(BLOCK),
                          demote="always")
@@ -393,6 +394,80 @@ def test_an_admission_that_fails_undoes_its_take(model):
     prefill(manager, model, "b", prompt(20, 4))
     with pytest.raises(OutOfBlocks):  # a's 2 blocks below the pool, then 4 more: 6 > 4
         manager.begin(Request("c", tokens=prompt(0, 2) + prompt(50, 4)))
-    assert (stack.takes, stack.restored_takes, stack.reload_batches) == (1, 1, 0)
+    # the capacity check comes before the take: nothing was held, nothing read
+    assert (stack.takes, stack.restored_takes, stack.reload_batches) == (0, 0, 0)
     assert sorted(b.depth for b in stack) == [0, 1] and stack.stats.reloads == 0
     manager.check()
+
+
+class CountingDisk(DiskStore):
+    """A disk store that counts its block reads (each one a file read and a checksum)."""
+
+    reads = 0
+
+    def read(self, slot, block):
+        self.reads += 1
+        return super().read(slot, block)
+
+
+class Defer(Admission):
+    """Defers request ``rid`` the first ``times`` times it would evict, then admits."""
+
+    def __init__(self, rid: str, times: int) -> None:
+        self.rid, self.left = rid, times
+
+    def admit(self, request, num_evictions, manager, now):
+        if request.request_id == self.rid and self.left:
+            self.left -= 1
+            return AdmissionDecision(False, "test", 1.0)
+        return AdmissionDecision(True)
+
+
+def disk_manager(model, tmp_path, admission=None):
+    layout = model.config.layout()
+    store = CountingDisk(tmp_path / "disk")
+    stack = TimedTierStack([Tier(16, "nvme", store=store)], demote="always",
+                           timer=fake_timer(1.0))
+    clock = ManualClock()
+    manager = KVCacheManager(BlockPool(4, BLOCK, layout, device="cpu"), "lru", clock=clock,
+                             tiers=stack, admission=admission)
+    return manager, stack, store, clock
+
+
+def test_a_request_retried_until_it_fits_reads_its_disk_chain_once(model, tmp_path):
+    manager, stack, store, clock = disk_manager(model, tmp_path)
+    _, first = prefill(manager, model, "a", prompt(0, 2))
+    prefill(manager, model, "b", prompt(20, 4))  # a's 2 blocks go to disk
+    assert sorted(b.depth for b in stack) == [0, 1] and store.reads == 0
+    manager.begin(Request("hog", tokens=prompt(40, 3)))  # 3 of the 4 pool blocks in use
+    for t in range(1, 6):  # c needs a's 2 blocks reloaded, 1 pool block is free
+        clock.set(float(t))
+        with pytest.raises(OutOfBlocks):
+            manager.begin(Request("c", tokens=prompt(0, 2)))
+        manager.check()
+    assert (stack.takes, stack.restored_takes, store.reads) == (0, 0, 0)
+    manager.finish("hog")
+    clock.set(6.0)
+    seq, again = prefill(manager, model, "c", prompt(0, 2))
+    assert seq.reloaded == (2,) and seq.num_cached_tokens == 2 * BLOCK
+    # five retries and the start: one take, one load, each disk block read once
+    assert (stack.takes, stack.restored_takes, stack.reload_batches) == (1, 0, 1)
+    assert store.reads == 2 and stack.stats.reloads == 2
+    torch.testing.assert_close(again, first, **TOL)
+
+
+def test_a_deferred_request_holds_but_reads_nothing_until_it_loads(model, tmp_path):
+    manager, stack, store, clock = disk_manager(model, tmp_path, admission=Defer("c", 3))
+    prefill(manager, model, "a", prompt(0, 2))
+    prefill(manager, model, "b", prompt(20, 4))  # a's 2 blocks on disk, b's 4 in the pool
+    for t in range(1, 4):
+        clock.set(float(t))
+        with pytest.raises(AdmissionDeferred):  # fits, but only by evicting: deferred
+            manager.begin(Request("c", tokens=prompt(0, 2)))
+        manager.check()
+    assert (stack.takes, stack.restored_takes, store.reads) == (3, 3, 0)
+    clock.set(4.0)
+    seq, _ = prefill(manager, model, "c", prompt(0, 2))
+    assert seq.reloaded == (2,)
+    assert (stack.takes, stack.restored_takes, stack.reload_batches) == (4, 3, 1)
+    assert store.reads == 2  # each disk block read once, at the load

@@ -24,7 +24,7 @@ from kvevict.tiers import Tier, TierStack
 
 
 def tiered_machine(policy: str, *, tensor: bool, demote: str, lower_policy: str = "lru",
-                   num_blocks: int = 5, capacities: tuple[int, int] = (6, 8)):
+                   num_blocks: int = 5, capacities: tuple[int, ...] = (6, 8)):
     store = "host" if tensor else "metadata"
 
     class TieredMachine(CacheMachine):
@@ -32,10 +32,9 @@ def tiered_machine(policy: str, *, tensor: bool, demote: str, lower_policy: str 
 
         def __init__(self) -> None:
             super().__init__()
-            self.stack = TierStack([Tier(capacities[0], "host-pcie5", store=store,
-                                         policy=lower_policy),
-                                    Tier(capacities[1], "cxl", store=store,
-                                         policy=lower_policy)], demote=demote)
+            self.stack = TierStack([Tier(c, profile, store=store, policy=lower_policy)
+                                    for c, profile in zip(capacities, ("host-pcie5", "cxl"))],
+                                   demote=demote)
             # the same (untouched) pool, now under a tiered manager
             self.manager = KVCacheManager(self.pool, make_policy(policy), clock=self.clock,
                                           tiers=self.stack)
@@ -101,3 +100,14 @@ def test_tiered_machine_tiny_tiers_under_pressure():
                              capacities=(1, 1))
     machine.TestCase().runTest()
     assert machine.moved["reloads"] > 0
+
+
+@pytest.mark.parametrize("capacity", [1, 6])
+@pytest.mark.parametrize("lower_policy", ["lru", "lfu"])
+def test_tiered_machine_one_metadata_tier(lower_policy, capacity):
+    """One metadata tier: every eviction burst goes down in one batched loop (swapping the
+    tier's victim out when it is full)."""
+    machine = tiered_machine("lru", tensor=False, demote="always", lower_policy=lower_policy,
+                             capacities=(capacity,))
+    machine.TestCase().runTest()
+    assert machine.moved["reloads"] > 0 and machine.moved["demotions"] > 0

@@ -4,9 +4,9 @@
 `kvevict.tiers` holds the mechanism (`TierStack`: demote on eviction, reload on a hit below
 the pool, the reload-versus-recompute rule); this module fits it to the built-in engine:
 
-- `TimedTierStack`: a `TierStack` that times its reloads (the disk reads and checksums of
-  ``take``, the copies into the pool of ``load``) with the engine's clock, so a run reports
-  the seconds its reloads really took, next to what the profiles predicted.
+- `TimedTierStack`: a `TierStack` that times its reloads (``load``: the disk reads and
+  checksums, the copies into the pool) with the engine's clock, so a run reports the seconds
+  its reloads really took, next to what the profiles predicted.
 - `engine_tiers`: the stack the engine and ``kvevict engine-bench --host-gib X --disk-dir D``
   run with: a host tier of ``host_bytes`` and a disk tier of ``disk_bytes`` under a
   directory, with links measured here (`measure_link`) unless given.
@@ -69,15 +69,13 @@ GIB = 2**30
 class TimedTierStack(TierStack):
     """A `TierStack` that times its reloads with ``timer`` (default `time.perf_counter`).
 
-    ``reload_seconds_measured`` adds up the seconds of every `take` that held a block
-    (matching the chain, reading and checking a disk block's file) and of every `load`
-    (copying into the pool); ``reload_batches`` counts the calls of `load` that moved a
-    block. A `take` that found nothing below the pool (most requests' lookups) is not a
-    reload and is not counted. ``takes`` counts the takes that held a block and
-    ``restored_takes`` those undone by `restore` (the request could not be admitted and is
-    retried later, so its disk blocks are read again then): their seconds are in
-    ``reload_seconds_measured`` too, as real time the engine spent. Everything else is
-    `TierStack`'s.
+    ``reload_seconds_measured`` adds up the seconds of every `load` (reading a disk block's
+    file and checking its checksum, copying into the pool); ``reload_batches`` counts the
+    calls of `load` that moved a block. ``takes`` counts the holds of a lower-tier chain for a
+    reload (a request whose prefix continues below the pool and that fits) and
+    ``restored_takes`` those undone by `restore` (admission deferred the request, or a policy
+    raised); a request that does not fit holds and reads nothing, so a request retried until
+    it fits is one take and one load. Everything else is `TierStack`'s.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, timer: Callable[[], float] = time.perf_counter,
@@ -91,23 +89,20 @@ class TimedTierStack(TierStack):
         self.takes = 0
         self.restored_takes = 0
 
-    def take(self, hashes: Sequence[Any], start: int, now: float) -> list[BlockInfo]:
-        t0 = self.timer()
-        taken = super().take(hashes, start, now)
-        if taken:
-            self.reload_seconds_measured += self.timer() - t0
+    def hold(self, blocks: Sequence[BlockInfo], now: float) -> None:
+        if blocks:
             self.takes += 1
-        return taken
+        super().hold(blocks, now)
 
     def restore(self, blocks: Sequence[BlockInfo], now: float) -> None:
         if blocks:
             self.restored_takes += 1
         super().restore(blocks, now)
 
-    def load(self, blocks: Sequence[BlockInfo], block_ids: Sequence[int], now: float) -> None:
+    def load(self, blocks: Sequence[BlockInfo], block_ids: Sequence[int], now: float) -> int:
         t0 = self.timer()
         try:
-            super().load(blocks, block_ids, now)
+            return super().load(blocks, block_ids, now)
         finally:
             self.reload_seconds_measured += self.timer() - t0
             self.reload_batches += 1 if blocks else 0
