@@ -47,9 +47,17 @@ are counted, not fitted); the discount only orders blocks of one cell by recency
 **Index.** In log form the price is ``log p + log(cost / bytes) + (last_access - t0) / H`` up
 to a term shared by every candidate, so it does not change with ``now``: a candidate is priced
 once, when it becomes one (or, for the blocks a request releases, when its ``on_finish``
-gives their features), into a heap. The heap is rebuilt with the current estimates and ``H``
-after two evictions per candidate since the last rebuild (amortized O(log n) per eviction):
-prices are at most that stale.
+gives their features), into a heap. A parent exposed by an eviction is priced at once; if the
+estimates change before the next victim is chosen (the last eviction of a request exposes a
+parent, and the next request's hits resolve trials), it is priced again then, so every key
+in the heap is what pricing it at that victim choice would give. The log odds of a cell are
+computed once per version of the table (it changes only when a trial resolves). The heap is
+rebuilt with the current estimates and ``H`` after two evictions per candidate since the
+last rebuild (amortized O(log n) per eviction): prices are at most that stale.
+
+**Events.** A request's reuses are resolved in one call each: its hits in ``on_hits``, the
+blocks its begin cached in ``on_begin`` (no ``on_insert`` per block), and blocks it cached
+later (a chunked prefill's later chunks) when it finishes, each at the time it was cached.
 """
 
 from __future__ import annotations
@@ -285,6 +293,10 @@ class LearnedReuse(Policy):
         self._since_rebuild = 0  # evictions since the heap was last rebuilt
         self._blocks: dict[int, BlockInfo] = {}  # every candidate, priced or not
         self._sampled = 0  # block uses since the last one that opened a trial
+        self._log_p: dict[tuple[Any, ...], float] = {}  # cell -> log p, for one table version
+        self._log_p_version = -1
+        self._exposed: list[BlockInfo] = []  # priced since the last victim choice
+        self._exposed_at = 0  # the table's version they were priced with
 
     def bind(self, block_size: int) -> None:
         super().bind(block_size)
@@ -318,42 +330,54 @@ class LearnedReuse(Policy):
         return self.table.p(self.cell(block)) * math.exp(
             log_cpb - max(now - block.last_access, 0.0) / h)
 
-    def _push_all(self, blocks: Sequence[BlockInfo], cells: Sequence[tuple[Any, ...]],
-                  heap: list[tuple[float, int, int]]) -> None:
-        """Index ``blocks`` (in ``cells``) into ``heap`` (pushed, or appended when it is to be
-        heapified): (log price up to a shared term, tick, block id). The estimates do not
-        change meanwhile, so each cell's odds are read once."""
-        log_p: dict[tuple[Any, ...], float] = {}
-        p = self.table.p
-        cost_of = self.costs.of  # type: ignore[union-attr]
-        t0, h = self._t0, self._key_horizon
-        keys = self._keys
-        add = heapq.heappush if heap is self._heap else list.append
-        for block, cell in zip(blocks, cells):
-            lp = log_p.get(cell)
-            if lp is None:
-                lp = log_p[cell] = math.log(p(cell))
-            key = (lp + cost_of(block)[0] + (block.last_access - t0) / h,
-                   block.last_access_tick, block.block_id)
-            keys[block.block_id] = key
-            add(heap, key)
+    def _key(self, block: BlockInfo, cell: tuple[Any, ...]) -> tuple[float, int, int]:
+        """The heap entry of ``block`` in ``cell``: (log price up to a shared term, tick, block
+        id). The log odds of a cell are kept until the table observes anything."""
+        table = self.table
+        log_p = self._log_p
+        if self._log_p_version != table.observations:
+            log_p.clear()
+            self._log_p_version = table.observations
+        lp = log_p.get(cell)
+        if lp is None:
+            lp = log_p[cell] = math.log(table.p(cell))
+        return (lp + self.costs.of(block)[0]  # type: ignore[union-attr]
+                + (block.last_access - self._t0) / self._key_horizon,
+                block.last_access_tick, block.block_id)
 
     def _price_pending(self) -> None:
-        """Price the candidates that are waiting for it (the parents a victim exposed)."""
-        pending = self._pending
-        blocks = list(pending.values())
+        """Price the candidates that are waiting for it."""
+        pending, keys, heap, key, cell = (self._pending, self._keys, self._heap, self._key,
+                                          self.cell)
+        for block in pending.values():
+            k = keys[block.block_id] = key(block, cell(block))
+            heapq.heappush(heap, k)
         pending.clear()
-        self._push_all(blocks, [self.cell(b) for b in blocks], self._heap)
+
+    def _reprice(self, blocks: Sequence[BlockInfo]) -> None:
+        """Price again those of ``blocks`` that are still priced candidates: the estimates
+        changed since (a candidate exposed by the last eviction of a request is priced with
+        the estimates of the next request's first eviction, as one priced then would be)."""
+        keys, heap, key, state = self._keys, self._heap, self._key, self._state
+        for block in blocks:
+            block_id = block.block_id
+            if block_id in keys:
+                k = keys[block_id] = key(block, state[block_id])
+                heapq.heappush(heap, k)
 
     def _rebuild(self, now: float) -> None:
         """Reprice every candidate with the current estimates and horizon."""
         self._t0 = now
         self._key_horizon = self.horizon
         self._pending.clear()
-        self._keys.clear()
-        blocks = list(self._blocks.values())
-        heap: list[tuple[float, int, int]] = []
-        self._push_all(blocks, [self.cell(b) for b in blocks], heap)
+        self._exposed.clear()
+        keys = self._keys
+        keys.clear()
+        heap = []
+        key, cell = self._key, self.cell
+        for block in self._blocks.values():
+            k = keys[block.block_id] = key(block, cell(block))
+            heap.append(k)
         heapq.heapify(heap)
         self._heap = heap
         self._since_rebuild = 0
@@ -410,11 +434,23 @@ class LearnedReuse(Policy):
             table.open_all(trials, now)
         # the request's released candidates are priced now that their features are known
         if released:
-            self._push_all(released, released_cells, self._heap)
+            keys, heap, key = self._keys, self._heap, self._key
+            for block, cell in zip(released, released_cells):
+                k = keys[block.block_id] = key(block, cell)
+                heapq.heappush(heap, k)
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
-        self._blocks[block.block_id] = block
-        self._pending[block.block_id] = block
+        block_id = block.block_id
+        self._blocks[block_id] = block
+        cell = self._state.get(block_id)
+        if cell is None or block.last_access >= now:
+            # released now (its request's on_finish gives its features), or never released
+            self._pending[block_id] = block
+        else:  # exposed by an eviction: its features are those of its last release
+            key = self._keys[block_id] = self._key(block, cell)
+            heapq.heappush(self._heap, key)
+            self._exposed.append(block)
+            self._exposed_at = self.table.observations
 
     def on_uncandidate(self, block: BlockInfo, now: float) -> None:
         block_id = block.block_id
@@ -446,8 +482,14 @@ class LearnedReuse(Policy):
     def _top(self, now: float) -> tuple[float, int, int] | None:
         if self._since_rebuild >= REPRICE_EVERY * len(self._blocks):
             self._rebuild(now)
-        elif self._pending:
-            self._price_pending()
+        else:
+            if self._pending:
+                self._price_pending()
+            exposed = self._exposed
+            if exposed:
+                if self._exposed_at != self.table.observations:
+                    self._reprice(exposed)
+                exposed.clear()
         heap, keys = self._heap, self._keys
         while heap:
             top = heap[0]
