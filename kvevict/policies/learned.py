@@ -374,9 +374,11 @@ class LearnedReuse(Policy):
         keys = self._keys
         keys.clear()
         heap = []
-        key, cell = self._key, self.cell
+        key, cell, state = self._key, self.cell, self._state
         for block in self._blocks.values():
-            k = keys[block.block_id] = key(block, cell(block))
+            block_id = block.block_id
+            c = state.get(block_id)
+            k = keys[block_id] = key(block, c if c is not None else cell(block))
             heap.append(k)
         heapq.heapify(heap)
         self._heap = heap
