@@ -137,6 +137,33 @@ def test_table_starts_every_cell_at_the_pooled_rate_and_learns() -> None:
     assert table.p("b") == pytest.approx((8 * pooled) / 12)
 
 
+def test_a_later_prefill_chunk_resolves_its_trial_when_it_is_cached() -> None:
+    """A request that caches part of its prompt after its begin (a chunked prefill): the
+    content it computes again resolves the trial it reuses at the time it was cached, not at
+    its finish, and the trial is not replaced unresolved by the request's own."""
+    policy = LearnedReuse(FLAT)
+    m, clock = manager(16, policy)
+    old = tuple(("old", i) for i in range(4))
+    a = tuple(("a", i) for i in range(4))
+    run(m, clock, 0.0, "old", old, cls="batch")  # block uses 1-4: the 4th opens a trial
+    run(m, clock, 40.0, "a", a)  # uses 5-8: a trial for a's last block, at t = 40
+    assert set(policy.table.trials) == {old[3], a[3]}
+    cell = policy.cell(m.tree.get(a[3]))
+    clock.set(50.0)
+    m.evict(8)  # everything; the idle times set H (about 49 s); the trials stay open
+    assert 45.0 < policy.horizon < 50.0
+    clock.set(52.0)
+    m.begin(Request(request_id="b", block_hashes=a, num_tokens=16, output_len=8,
+                    workload_class="chat"), max_new_tokens=8)  # a's first two blocks now
+    assert policy.table.observations == 0  # no hit, and a's trial is on its last block
+    clock.set(55.0)
+    m.prefill("b")  # a's last two blocks computed again at t = 55: 15 s after a's trial
+    clock.set(95.0)  # past the horizon: the trial succeeds only by its time of caching
+    m.finish("b")
+    assert policy.table.observations == 2  # a's trial succeeded, then old's expired
+    assert policy.table.counts(cell) == (1.0, 0.0)
+
+
 def test_no_estimate_at_time_t_uses_an_event_after_t() -> None:
     """Replaying the bundled trace up to time t, or all of it, leaves the same table at t."""
     reqs = workloads.read_mooncake(workloads.bundled_trace_path())

@@ -47,9 +47,17 @@ are counted, not fitted); the discount only orders blocks of one cell by recency
 **Index.** In log form the price is ``log p + log(cost / bytes) + (last_access - t0) / H`` up
 to a term shared by every candidate, so it does not change with ``now``: a candidate is priced
 once, when it becomes one (or, for the blocks a request releases, when its ``on_finish``
-gives their features), into a heap. The heap is rebuilt with the current estimates and ``H``
-after two evictions per candidate since the last rebuild (amortized O(log n) per eviction):
-prices are at most that stale.
+gives their features), into a heap. A parent exposed by an eviction is priced at once; if the
+estimates change before the next victim is chosen (the last eviction of a request exposes a
+parent, and the next request's hits resolve trials), it is priced again then, so every key
+in the heap is what pricing it at that victim choice would give. The log odds of a cell are
+computed once per version of the table (it changes only when a trial resolves). The heap is
+rebuilt with the current estimates and ``H`` after two evictions per candidate since the
+last rebuild (amortized O(log n) per eviction): prices are at most that stale.
+
+**Events.** A request's reuses are resolved in one call each: its hits in ``on_hits``, the
+blocks its begin cached in ``on_begin`` (no ``on_insert`` per block), and blocks it cached
+later (a chunked prefill's later chunks) when it finishes, each at the time it was cached.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvevict.cost import CostModel
@@ -187,9 +195,19 @@ class ReuseTable:
 
     def reuse(self, block_hash: Any, now: float, horizon: float) -> None:
         """``block_hash`` is used again at ``now`` (a hit, or a miss that caches it again)."""
-        trial = self.trials.pop(block_hash, None)
-        if trial is not None:
-            self._observe(trial[1], now - trial[0] <= horizon)
+        self.reuse_all((block_hash,), now, horizon)
+
+    def reuse_all(self, block_hashes: Iterable[Any], now: float, horizon: float) -> None:
+        """`reuse` of each of ``block_hashes`` (one request's blocks) at ``now``."""
+        trials = self.trials
+        pop = trials.pop
+        for block_hash in block_hashes:
+            trial = pop(block_hash, None)
+            if trial is not None:
+                if trial[0] > now:  # opened after that use: not its reuse
+                    trials[block_hash] = trial
+                    continue
+                self._observe(trial[1], now - trial[0] <= horizon)
 
     def expire(self, now: float, horizon: float) -> None:
         """Fail every open trial older than ``horizon`` at ``now``."""
@@ -265,8 +283,8 @@ class LearnedReuse(Policy):
         self._evicted = 0  # evictions so far
         #: block id -> its feature cell, filed when the request that used it last finished
         self._state: dict[int, tuple[Any, ...]] = {}
-        #: request id -> (conversation key, turn), from begin to finish
-        self._running: dict[Any, tuple[Any, int]] = {}
+        #: request id -> ((conversation key, turn), blocks known at its begin), begin to finish
+        self._running: dict[Any, tuple[tuple[Any, int], int]] = {}
         self._heap: list[tuple[float, int, int]] = []  # (key, tick, block id)
         self._keys: dict[int, tuple[float, int, int]] = {}  # live candidates' heap entries
         self._pending: dict[int, BlockInfo] = {}  # candidates not priced yet
@@ -275,6 +293,10 @@ class LearnedReuse(Policy):
         self._since_rebuild = 0  # evictions since the heap was last rebuilt
         self._blocks: dict[int, BlockInfo] = {}  # every candidate, priced or not
         self._sampled = 0  # block uses since the last one that opened a trial
+        self._log_p: dict[tuple[Any, ...], float] = {}  # cell -> log p, for one table version
+        self._log_p_version = -1
+        self._exposed: list[BlockInfo] = []  # priced since the last victim choice
+        self._exposed_at = 0  # the table's version they were priced with
 
     def bind(self, block_size: int) -> None:
         super().bind(block_size)
@@ -288,14 +310,15 @@ class LearnedReuse(Policy):
         as filed when the request that used it last finished, else from its record alone
         (no output, turn 1)."""
         cell = self._state.get(block.block_id)
-        return cell if cell is not None else self._cell(block, 0, 1)
+        return cell if cell is not None else self._cells((block,), 0, 1)[0]
 
     @staticmethod
-    def _cell(block: BlockInfo, out_bucket: int, turn: int) -> tuple[Any, ...]:
-        hits = block.hit_count
-        depth = block.depth
-        return (hits if hits < 2 else 2, out_bucket, turn if turn < 3 else 3,
-                block.workload_class, depth.bit_length() if depth < 64 else 7)
+    def _cells(blocks: Sequence[BlockInfo], out_bucket: int, turn: int) -> list[tuple[Any, ...]]:
+        """The cells of ``blocks`` used by one request of output bucket ``out_bucket`` at
+        ``turn``."""
+        turn = turn if turn < 3 else 3
+        return [(b.hit_count if b.hit_count < 2 else 2, out_bucket, turn, b.workload_class,
+                 b.depth.bit_length() if b.depth < 64 else 7) for b in blocks]
 
     def price(self, block: BlockInfo, now: float) -> float:
         """The block's price at ``now``: ``p(cell) * exp(-idle / H) * cost / bytes``."""
@@ -307,37 +330,55 @@ class LearnedReuse(Policy):
         return self.table.p(self.cell(block)) * math.exp(
             log_cpb - max(now - block.last_access, 0.0) / h)
 
-    def _key(self, block: BlockInfo) -> tuple[float, int, int]:
-        """The heap entry of ``block``: (log price up to a shared term, tick, block id)."""
-        log_cost = self.costs.of(block)[0]  # type: ignore[union-attr]
-        return (math.log(self.table.p(self.cell(block))) + log_cost
+    def _key(self, block: BlockInfo, cell: tuple[Any, ...]) -> tuple[float, int, int]:
+        """The heap entry of ``block`` in ``cell``: (log price up to a shared term, tick, block
+        id). The log odds of a cell are kept until the table observes anything."""
+        table = self.table
+        log_p = self._log_p
+        if self._log_p_version != table.observations:
+            log_p.clear()
+            self._log_p_version = table.observations
+        lp = log_p.get(cell)
+        if lp is None:
+            lp = log_p[cell] = math.log(table.p(cell))
+        return (lp + self.costs.of(block)[0]  # type: ignore[union-attr]
                 + (block.last_access - self._t0) / self._key_horizon,
                 block.last_access_tick, block.block_id)
 
-    def _push(self, block: BlockInfo) -> None:
-        key = self._key(block)
-        self._keys[block.block_id] = key
-        heapq.heappush(self._heap, key)
-
     def _price_pending(self) -> None:
-        pending = self._pending
-        if pending:
-            for block in pending.values():
-                self._push(block)
-            pending.clear()
+        """Price the candidates that are waiting for it."""
+        pending, keys, heap, key, cell = (self._pending, self._keys, self._heap, self._key,
+                                          self.cell)
+        for block in pending.values():
+            k = keys[block.block_id] = key(block, cell(block))
+            heapq.heappush(heap, k)
+        pending.clear()
+
+    def _reprice(self, blocks: Sequence[BlockInfo]) -> None:
+        """Price again those of ``blocks`` that are still priced candidates: the estimates
+        changed since (a candidate exposed by the last eviction of a request is priced with
+        the estimates of the next request's first eviction, as one priced then would be)."""
+        keys, heap, key, state = self._keys, self._heap, self._key, self._state
+        for block in blocks:
+            block_id = block.block_id
+            if block_id in keys:
+                k = keys[block_id] = key(block, state[block_id])
+                heapq.heappush(heap, k)
 
     def _rebuild(self, now: float) -> None:
         """Reprice every candidate with the current estimates and horizon."""
         self._t0 = now
         self._key_horizon = self.horizon
         self._pending.clear()
+        self._exposed.clear()
         keys = self._keys
         keys.clear()
         heap = []
-        key = self._key
+        key, cell, state = self._key, self.cell, self._state
         for block in self._blocks.values():
-            k = key(block)
-            keys[block.block_id] = k
+            block_id = block.block_id
+            c = state.get(block_id)
+            k = keys[block_id] = key(block, c if c is not None else cell(block))
             heap.append(k)
         heapq.heapify(heap)
         self._heap = heap
@@ -349,52 +390,69 @@ class LearnedReuse(Policy):
         table = self.table
         h = self.horizon
         table.expire(now, h)
-        for block in hits:
-            table.reuse(block.block_hash, now, h)
-
-    def on_insert(self, block: BlockInfo, now: float) -> None:
-        # a miss that caches content used before: a reuse the cache did not serve
-        self.table.reuse(block.block_hash, now, self.horizon)
+        table.reuse_all([block.block_hash for block in hits], now, h)
 
     def on_begin(self, request: Request, hits: Sequence[BlockInfo],
                  new: Sequence[BlockInfo], now: float) -> None:
-        self._running[request.request_id] = self.conversations.begin(
-            request, hits, new, self.manager_block_size)
+        # the misses that cached content used before: reuses the cache did not serve
+        self.table.reuse_all([block.block_hash for block in new], now, self.horizon)
+        self._running[request.request_id] = (self.conversations.begin(
+            request, hits, new, self.manager_block_size), len(hits) + len(new))
 
     def on_finish(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
-        conv = self._running.pop(request.request_id, None)
+        run = self._running.pop(request.request_id, None)
         if not blocks:
             return
+        table = self.table
         turn = 1
-        if conv is not None:
+        if run is not None:
+            conv, known = run
             turn = conv[1]
             self.conversations.finish(conv, blocks)
+            # blocks cached after the begin (later prefill chunks): reuses when they were
+            # cached, before the trials they resolve can expire
+            for block in blocks[known:]:
+                table.reuse_all((block.block_hash,), block.created, self.horizon)
         out = request.output_len
-        bucket = min(out.bit_length(), 10) if out > 0 else 0
+        cells = self._cells(blocks, min(out.bit_length(), 10) if out > 0 else 0, turn)
         state = self._state
-        table = self.table
         table.expire(now, self.horizon)
-        make = self._cell
         pending = self._pending
         trials = []
+        released, released_cells = [], []
         k, every = self._sampled, TRIAL_EVERY
-        for block in blocks:
-            cell = state[block.block_id] = make(block, bucket, turn)
+        for block, cell in zip(blocks, cells):
+            block_id = block.block_id
+            state[block_id] = cell
             k += 1
             if k >= every:  # one block use in TRIAL_EVERY is a trial (LRB samples too)
                 k = 0
                 trials.append((block.block_hash, cell))
+            if pending.pop(block_id, None) is not None:
+                released.append(block)
+                released_cells.append(cell)
         self._sampled = k
         if trials:
             table.open_all(trials, now)
         # the request's released candidates are priced now that their features are known
-        for block in blocks:
-            if pending.pop(block.block_id, None) is not None:
-                self._push(block)
+        if released:
+            keys, heap, key = self._keys, self._heap, self._key
+            for block, cell in zip(released, released_cells):
+                k = keys[block.block_id] = key(block, cell)
+                heapq.heappush(heap, k)
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
-        self._blocks[block.block_id] = block
-        self._pending[block.block_id] = block
+        block_id = block.block_id
+        self._blocks[block_id] = block
+        cell = self._state.get(block_id)
+        if cell is None or block.last_access >= now:
+            # released now (its request's on_finish gives its features), or never released
+            self._pending[block_id] = block
+        else:  # exposed by an eviction: its features are those of its last release
+            key = self._keys[block_id] = self._key(block, cell)
+            heapq.heappush(self._heap, key)
+            self._exposed.append(block)
+            self._exposed_at = self.table.observations
 
     def on_uncandidate(self, block: BlockInfo, now: float) -> None:
         block_id = block.block_id
@@ -427,7 +485,13 @@ class LearnedReuse(Policy):
         if self._since_rebuild >= REPRICE_EVERY * len(self._blocks):
             self._rebuild(now)
         else:
-            self._price_pending()
+            if self._pending:
+                self._price_pending()
+            exposed = self._exposed
+            if exposed:
+                if self._exposed_at != self.table.observations:
+                    self._reprice(exposed)
+                exposed.clear()
         heap, keys = self._heap, self._keys
         while heap:
             top = heap[0]
