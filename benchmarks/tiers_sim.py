@@ -7,9 +7,17 @@ For each workload (chat-server, agent):
 - **the box**: issue 8's realistic one, as `benchmarks/workload_aware.py` has it (Llama-3-8B
   on one L4 24 GB, 32 seats, 2,048 batched tokens), the request rate scaled so the offered
   load ρ is ``--target-load`` (0.7) on the first seed;
-- **the GPU's KV**: ``--fraction`` (0.25) of the workload's working set, as
-  `benchmarks/workload_aware.py` measures it (what LRU needs to cache plus what the running
-  batch holds, averaged over the seeds);
+- **the GPU's KV**, by ``--sizing`` (averaged over the seeds, in blocks of 16 tokens):
+
+  - ``working-set`` (the default): ``--fraction`` (0.25) of the workload's working set as
+    `benchmarks/workload_aware.py` measures it, ``fraction x (reuse + running)``: ``reuse`` is
+    what LRU needs to cache (`workload_aware.working_set`), ``running`` what the fluid
+    model's mean running batch holds (`workload_aware.running_blocks`);
+  - ``batch-plus-reuse``: ``seats + fraction x reuse``, where ``seats`` is what the 32
+    running seats hold at once when all are taken (`seat_blocks`: 32 x the mean request's
+    prompt and half its answer, `workload_aware.running_blocks` with the batch at its cap).
+    The running batch's peak fits, and only the reuse working set is scaled down. It can
+    exceed what the L4 holds (an oversubscribed what-if, marked);
 - **the tiers** (`kvevict.sim.TierConfig`): a host tier of ``--host-x`` (0, 1, 2, 4, 8)
   times the GPU's blocks, metadata only, reloaded over the box's GPU host link (the L4's
   PCIe Gen4 x16, 32 GB/s; `kvevict.sim.host_link_profile`), each reload queued on that one
@@ -24,9 +32,11 @@ Cells run through `kvevict.study.run_cells` (``--jobs`` worker processes); inter
 differences). Run from the repository root::
 
     python benchmarks/tiers_sim.py --out out/tiers        # 5 seeds; tables on stdout, the PNG
+    python benchmarks/tiers_sim.py --sizing batch-plus-reuse --out out/tiers-b
 
 It prints the tables of docs/tiers_sim.md and, with ``--out``, writes ``results.json`` and
-``tiers_sim.png`` (p95 TTFT against the host tier's size, per policy).
+the PNG (p95 TTFT against the host tier's size, per policy): ``tiers_sim.png``
+(``working-set``) or ``tiers_sim_batch_plus_reuse.png``.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ from workload_aware import running_blocks, working_set
 
 from kvevict import workloads
 from kvevict.box import Box, gpu_profile, kv_cache_bytes
+from kvevict.errors import ConfigError
 from kvevict.layout import preset
 from kvevict.load import offered_load, scale_for_load
 from kvevict.scheduler import SchedulerConfig
@@ -57,6 +68,8 @@ from kvevict.stats import interval, paired
 from kvevict.study import Cell, Source, Study, run_cells, study_requests
 
 WORKLOADS = ("chat-server", "agent")
+SIZINGS = ("working-set", "batch-plus-reuse")
+SEATS = 32
 POLICIES = ("lru", "market", "bayes")
 BLOCK_SIZE = 16
 #: what each cell keeps of its summary
@@ -64,6 +77,41 @@ KEYS = ("ttft_p95", "ttft_p50", "recomputed_prefill_tokens", "token_hit_ratio",
         "measured_load", "preemptions", "wait_memory_p95", "wait_compute_p95", "prefill_s_p95",
         "recompute_prefill_s_p95", "reload_s_p95", "reload_s_mean", "ttft_mean",
         "wait_memory_mean", "wait_compute_mean", "prefill_s_mean", "recompute_prefill_s_mean")
+#: what each cell keeps of each workload class's summary
+CLASS_KEYS = ("ttft_p50", "ttft_p95", "wait_memory_p95", "wait_compute_p95")
+
+
+def seat_blocks(requests: list, seats: int = SEATS) -> float:
+    """Blocks ``seats`` running requests hold at once: ``seats`` x the mean request's prompt
+    and half its answer, in blocks of `BLOCK_SIZE` (`workload_aware.running_blocks` with the
+    running batch at ``seats`` instead of the fluid model's mean)."""
+    mean_tokens = float(np.mean([r.prompt_len + r.output_len / 2 for r in requests]))
+    return seats * mean_tokens / BLOCK_SIZE
+
+
+def gpu_blocks(sizing: str, fraction: float, reuse: float, running: float,
+               seats: float) -> float:
+    """The GPU's KV in blocks under ``sizing``, from one seed's reuse working set, mean
+    running batch and full seats (blocks): ``fraction x (reuse + running)`` or
+    ``seats + fraction x reuse``."""
+    if sizing == "working-set":
+        return fraction * (reuse + running)
+    if sizing == "batch-plus-reuse":
+        return seats + fraction * reuse
+    raise ConfigError(f"sizing must be one of {', '.join(SIZINGS)}, got {sizing!r}")
+
+
+def png_name(sizing: str) -> str:
+    """The figure's file name of a sizing."""
+    return "tiers_sim.png" if sizing == "working-set" else \
+        f"tiers_sim_{sizing.replace('-', '_')}.png"
+
+
+def sizing_label(w: dict) -> str:
+    """How one workload's GPU KV was sized, in words (for titles)."""
+    if w.get("sizing", "working-set") == "working-set":
+        return f"GPU KV {w['fraction']:g}x the working set"
+    return f"GPU KV = 32 seats + {w['fraction']:g}x the reuse set"
 
 
 def star(iv) -> str:
@@ -79,7 +127,8 @@ def run(args: argparse.Namespace) -> dict:
     kv = kv_cache_bytes(box, layout, max_num_batched_tokens=2048, max_num_seqs=32)
     seeds = list(range(args.seeds))
     link = host_link_profile(cost)
-    out: dict = {"box_blocks": kv.blocks(BLOCK_SIZE), "seeds": seeds, "host_x": args.host_x,
+    out: dict = {"box_blocks": kv.blocks(BLOCK_SIZE), "sizing": args.sizing,
+                 "seeds": seeds, "host_x": args.host_x,
                  "prefetch_x": args.prefetch_x, "policies": args.policies,
                  "host_link_bytes_per_s": link.read_bytes_per_s,
                  "bytes_per_block": layout.bytes_per_block(BLOCK_SIZE), "workloads": {}}
@@ -88,12 +137,17 @@ def run(args: argparse.Namespace) -> dict:
         scale = scale_for_load(first, cost, BLOCK_SIZE, args.target_load, max_batch=32)
         study = Study(Source(workload=name, rate_scale=scale), layout, BLOCK_SIZE, cost, config)
         rho = offered_load(study_requests(study, seeds[0]), cost, BLOCK_SIZE, max_batch=32).rho
-        wset = float(np.mean([working_set(study_requests(study, s), BLOCK_SIZE)
-                              + running_blocks(study_requests(study, s), cost)
-                              for s in seeds]))
+        parts = []  # per seed: reuse working set, mean running batch, full seats (blocks)
+        for s in seeds:
+            requests = study_requests(study, s)
+            parts.append((working_set(requests, BLOCK_SIZE), running_blocks(requests, cost),
+                          seat_blocks(requests)))
+        reuse, running, seats = (float(np.mean(col)) for col in zip(*parts, strict=True))
+        wset = reuse + running
         largest = max(-(-(r.prompt_len + r.output_len) // BLOCK_SIZE)
                       for s in seeds for r in study_requests(study, s))
-        gpu = max(largest, round(args.fraction * wset))
+        gpu = max(largest, round(float(np.mean(
+            [gpu_blocks(args.sizing, args.fraction, *p) for p in parts]))))
         variants = [(x, False) for x in args.host_x] + [(args.prefetch_x, True)]
         cells = []
         for x, prefetch in variants:
@@ -108,6 +162,8 @@ def run(args: argparse.Namespace) -> dict:
             key = f"{cell.policy}@{x:g}" + ("+prefetch" if cell.tiers is not None
                                             and cell.tiers.prefetch else "")
             kept = {k: res[k] for k in KEYS}
+            kept["classes"] = {c: {k: v[k] for k in CLASS_KEYS}
+                               for c, v in res.get("classes", {}).items()}
             if "tiers" in res:
                 t = res["tiers"]
                 kept["host_hit_blocks"] = t["hit_blocks"].get("host", 0)
@@ -119,6 +175,8 @@ def run(args: argparse.Namespace) -> dict:
                 kept["prefetch"] = t["prefetch"]
             rows.setdefault(key, {})[cell.seed] = kept
         out["workloads"][name] = {"scale": scale, "rho": rho, "working_set_blocks": wset,
+                                  "reuse_blocks": reuse, "running_blocks": running,
+                                  "seat_blocks": seats, "sizing": args.sizing,
                                   "gpu_blocks": gpu, "fraction": args.fraction,
                                   "seconds": seconds, "cells": rows}
         print(tables(name, out["workloads"][name], out), flush=True)
@@ -134,9 +192,16 @@ def tables(name: str, w: dict, out: dict) -> str:
     args = argparse.Namespace(host_x=out["host_x"], policies=out["policies"],
                               prefetch_x=out["prefetch_x"])
     cells, gpu = w["cells"], w["gpu_blocks"]
+    if w.get("sizing", "working-set") == "working-set":
+        size = f"GPU KV {gpu:,} blocks ({w['fraction']:g}x)"
+    else:
+        size = (f"GPU KV {gpu:,} blocks (32 seats {w['seat_blocks']:,.0f} + "
+                f"{w['fraction']:g}x reuse {w['reuse_blocks']:,.0f})")
+    over = (f", over the box's {out['box_blocks']:,} (an oversubscribed what-if)"
+            if gpu > out["box_blocks"] else "")
     lines = [f"### {name}: ρ {w['rho']:.2f} (rate x{w['scale']:.3g}), working set "
-             f"{w['working_set_blocks']:,.0f} blocks, GPU KV {gpu:,} blocks "
-             f"({w['fraction']:g}x); {len(args.host_x) + 1} variants x "
+             f"{w['working_set_blocks']:,.0f} blocks, {size}{over}; "
+             f"{len(args.host_x) + 1} variants x "
              f"{len(args.policies)} policies x {len(next(iter(cells.values())))} seeds in "
              f"{w['seconds']:.0f} s", ""]
     lines += ["| host tier | policy | p95 TTFT (s) | recomputed prefill tokens | token hit | "
@@ -217,6 +282,21 @@ def tables(name: str, w: dict, out: dict) -> str:
                 f"{m('wait_memory_mean'):.2f} + {m('wait_compute_mean'):.2f} + "
                 f"{m('prefill_s_mean'):.3f} + {m('reload_s_mean') * 1e3:.3f} ms | "
                 f"{busy[0]} | {busy[1]} |")
+    classes = sorted({c for cell in cells.values() for seed in cell.values()
+                      for c in seed.get("classes", {})})
+    if len(classes) > 1:
+        lines += ["", "Per workload class (means over seeds; a request queues first come, first "
+                  "served with every other class):", "",
+                  "| host tier | policy | class | p50 TTFT | p95 TTFT | p95 wait memory | "
+                  "p95 wait compute |", "|---|---|---|---:|---:|---:|---:|"]
+        for x in (0, args.prefetch_x):
+            for p in args.policies:
+                for k in classes:
+                    per = [seed["classes"][k] for seed in cells[f"{p}@{x:g}"].values()
+                           if k in seed.get("classes", {})]
+                    lines.append(f"| {x:g}x | {p} | {k} | "
+                                 + " | ".join(f"{np.mean([c[q] for c in per]):.2f}"
+                                              for q in CLASS_KEYS) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -245,7 +325,7 @@ def plot(out: dict, png: Path) -> None:
         ax.set_xticks(xs, [("GPU only" if x == 0 else f"{x:g}x") for x in xs])
         ax.set_xlabel(f"host tier / GPU KV ({w['gpu_blocks']:,} blocks)")
         ax.set_ylabel("p95 TTFT vs GPU-only LRU (%),\npaired by seed, 95% CI")
-        ax.set_ylim(-60, 10)
+        ax.set_ylim(min(-60, ax.get_ylim()[0]), max(10, ax.get_ylim()[1]))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="center right")
     for ax, name in zip(axes[0], names, strict=True):
@@ -270,7 +350,7 @@ def plot(out: dict, png: Path) -> None:
         ax.set_xlabel(f"host tier / GPU KV ({w['gpu_blocks']:,} blocks)")
         ax.set_ylabel("p95 TTFT (s), mean ± 95% CI")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{name}: GPU KV {w['fraction']:g}x the working set, ρ {w['rho']:.2f}")
+        ax.set_title(f"{name}: {sizing_label(w)}, ρ {w['rho']:.2f}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"A host KV tier on one L4 (Llama-3-8B, PCIe Gen4 host link), "
@@ -289,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="host tier sizes, multiples of the GPU's blocks (0: GPU only)")
     parser.add_argument("--prefetch-x", type=float, default=4.0,
                         help="the host size of the prefetch cells and of comparison (a)")
+    parser.add_argument("--sizing", choices=SIZINGS, default="working-set",
+                        help="the GPU's KV: --fraction x (reuse + mean running batch), or the "
+                             "32 seats' blocks + --fraction x reuse (module docstring)")
     parser.add_argument("--fraction", type=float, default=0.25)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--target-load", type=float, default=0.7)
@@ -306,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             print(tables(name, w, out))
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
-            plot(out, args.out / "tiers_sim.png")
+            plot(out, args.out / png_name(out.get("sizing", "working-set")))
         return 0
     if 0.0 not in args.host_x or args.prefetch_x not in args.host_x or "lru" not in \
             args.policies:
@@ -315,8 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(out, indent=1, default=str))
-        plot(out, args.out / "tiers_sim.png")
-        print(f"wrote results.json and tiers_sim.png to {args.out}")
+        plot(out, args.out / png_name(args.sizing))
+        print(f"wrote results.json and {png_name(args.sizing)} to {args.out}")
     return 0
 
 
