@@ -276,7 +276,8 @@ def measure(stream: Stream, sizes: tuple[int, ...], policies: tuple[str, ...], r
                 for name, side in sides.items():
                     key = (name, size, hashed)
                     best[key] = min(best.get(key, float("inf")), side.seconds)
-                    ratios[(name, size)] = hit_ratio(side.hits, stream)
+                    if not hashed:  # token mode: a policy sizing costs by the block's own
+                        ratios[(name, size)] = hit_ratio(side.hits, stream)  # tokens
                 print(f"round {r + 1}/{rounds}, {size} blocks, "
                       f"{'bookkeeping' if hashed else 'end to end'}: "
                       + ", ".join(f"{n} {s.seconds:.2f}s" for n, s in sides.items()),
@@ -299,7 +300,7 @@ def table(best: dict[tuple[str, int, bool], float], hit: dict[tuple[str, int], f
         head += ["kvevict-lru req/s", "kvevict-lru req/s (no hashing)"]
     for p in policies:
         if p != "lru":
-            head += [f"{p} req/s", f"**{p} / lru**"]
+            head += [f"{p} req/s", f"**{p} / lru**", f"{p} / lru (no hashing)"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---:|" * len(head))
     for size in sizes:
@@ -314,7 +315,8 @@ def table(best: dict[tuple[str, int, bool], float], hit: dict[tuple[str, int], f
         for p in policies:
             if p != "lru":
                 x = rps(p, size, False)
-                row += [f"{x:,.0f}", f"{x / lru:.2f}x"]
+                x0 = rps(p, size, True) / rps("lru", size, True)
+                row += [f"{x:,.0f}", f"{x / lru:.2f}x", f"{x0:.2f}x"]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     names = (["vllm"] if with_vllm else []) + list(policies)
