@@ -51,7 +51,7 @@ import numpy as np
 
 from kvevict.admission import Admission, AlwaysAdmit
 from kvevict.errors import AdmissionDeferred, ConfigError, OutOfBlocks, PolicyError
-from kvevict.hashing import ROOT_HASH, block_hashes, hash_block
+from kvevict.hashing import ROOT_HASH, block_hashes, chain_hashes, encode_extra
 from kvevict.invariants import InvariantError, check_manager
 from kvevict.pins import Pins
 from kvevict.policies.base import Policy, make_policy
@@ -117,12 +117,16 @@ class Sequence:
     appends fill blocks; a trace request's is its listed ids). ``num_tokens`` token slots are
     allocated (computed or being computed); ``num_pending`` more are known but not yet
     allocated (the rest of a chunked prefill, or a preempted sequence's tokens to recompute).
+    A token request's known tokens are ``prompt_tokens`` (a read-only int64 array, copied
+    once at `KVCacheManager.begin`) followed by ``generated_tokens`` (appended ids, a list):
+    the prompt is never turned into a Python list, and a cached block's ``tokens`` are a
+    read-only view of one array copied per caching call (see `KVCacheManager`).
     Read it; only the manager changes it.
     """
 
-    __slots__ = ("seq_id", "request", "block_table", "cached_blocks", "hashes", "token_ids",
-                 "num_tokens", "num_cached_tokens", "num_hit_slots", "prompt_slots",
-                 "num_generated", "status", "reloaded")
+    __slots__ = ("seq_id", "request", "block_table", "cached_blocks", "hashes",
+                 "prompt_tokens", "generated_tokens", "num_tokens", "num_cached_tokens",
+                 "num_hit_slots", "prompt_slots", "num_generated", "status", "reloaded")
 
     def __init__(self, request: Request, hashes: Any, prompt_slots: int) -> None:
         self.seq_id = request.request_id
@@ -132,10 +136,15 @@ class Sequence:
         self.cached_blocks: list[BlockInfo] = []
         #: the chain: hash of each full known block (token mode) or each listed block
         self.hashes = hashes
-        #: token mode: every known token id (prompt, then generated); None for hash mode
-        self.token_ids: list[int] | None = (
-            None if request.tokens is None else request.tokens.tolist()
-        )
+        #: token mode: the prompt's token ids (read-only int64); None for hash mode
+        self.prompt_tokens: np.ndarray | None = None
+        #: token mode: the ids appended since (decode); None for hash mode
+        self.generated_tokens: list[int] | None = None
+        if request.tokens is not None:
+            prompt = np.array(request.tokens, dtype=np.int64)  # a snapshot: hashed, cached
+            prompt.flags.writeable = False
+            self.prompt_tokens = prompt
+            self.generated_tokens = []
         self.num_tokens = 0
         #: tokens found cached at the last begin / resume (real tokens, at most the known)
         self.num_cached_tokens = 0
@@ -173,7 +182,26 @@ class Sequence:
     @property
     def tokens(self) -> list[int] | None:
         """All known token ids (prompt + appended), or None for a hash-only request."""
-        return None if self.token_ids is None else list(self.token_ids)
+        if self.prompt_tokens is None:
+            return None
+        return self.prompt_tokens.tolist() + self.generated_tokens  # type: ignore[operator]
+
+    #: The same list (a copy), under the name earlier versions stored it as.
+    token_ids = tokens
+
+    def token_array(self, start: int, end: int) -> np.ndarray:
+        """Known token ids ``[start, end)`` of a token request as a new read-only int64
+        array (one copy, whether they lie in the prompt, the appended ids or both)."""
+        prompt = self.prompt_tokens
+        n = len(prompt)  # type: ignore[arg-type]
+        if end <= n:
+            out = prompt[start:end].copy()  # type: ignore[index]
+        else:
+            gen = self.generated_tokens[max(0, start - n):end - n]  # type: ignore[index]
+            head = prompt[start:n] if start < n else prompt[:0]  # type: ignore[index]
+            out = np.concatenate((head, np.asarray(gen, dtype=np.int64)))
+        out.flags.writeable = False
+        return out
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id!r}, status={self.status}, tokens={self.num_tokens}, "
@@ -238,7 +266,7 @@ class KVCacheManager:
             raise ConfigError("clock must be a callable returning seconds")
         self.clock: Callable[[], float] = clock if clock is not None else ManualClock()
         self.extra_key = extra_key
-        block_hashes([], 1, extra_key)  # validates extra_key
+        self._extra = encode_extra(extra_key)  # validates extra_key; every hash ends with it
         if admission is not None and not isinstance(admission, Admission):
             raise ConfigError(f"admission must be an Admission, got {type(admission).__name__}")
         self.admission: Admission = admission if admission is not None else AlwaysAdmit()
@@ -396,10 +424,11 @@ class KVCacheManager:
             # each listed id is one cacheable block: the prompt occupies whole blocks, and
             # appended tokens start a new block rather than grow a shared cached one
             slots = max(prompt_len, len(hashes) * self.block_size)
-        else:
-            hashes = block_hashes(request.tokens, self.block_size, self.extra_key)
-            slots = prompt_len
-        seq = Sequence(request, hashes, slots)
+            seq = Sequence(request, hashes, slots)
+        else:  # hash the sequence's snapshot of the prompt, in one pass
+            seq = Sequence(request, None, prompt_len)
+            seq.hashes = chain_hashes(seq.prompt_tokens, self.block_size,  # type: ignore
+                                      self._extra)
         self._start(seq, max_new_tokens, prompt_len, begin=True)
         self._seqs[seq.seq_id] = seq
         return seq
@@ -609,7 +638,7 @@ class KVCacheManager:
             seq = self.sequence(seq_id)  # raises: no such sequence
         if seq.status != "running":
             raise ConfigError(f"sequence {seq_id!r} is {seq.status}; resume it before appending")
-        if seq.token_ids is None:
+        if seq.generated_tokens is None:
             if (type(tokens) is not int  # not a plain int count (the common case)
                     and (isinstance(tokens, bool) or not isinstance(tokens, int))) or tokens < 0:
                 raise ConfigError(
@@ -633,7 +662,7 @@ class KVCacheManager:
             # the decode loop's common case: no new block, none becomes full and cacheable
             seq.num_generated += n
             if new_tokens is not None:
-                seq.token_ids.extend(new_tokens)  # type: ignore[union-attr]
+                seq.generated_tokens.extend(new_tokens)  # type: ignore[union-attr]
             seq.num_tokens = target
             return []
         return self._grow(seq, target, new_tokens, "decode")
@@ -656,7 +685,7 @@ class KVCacheManager:
         if target > known:  # decode appends make new tokens known
             seq.num_generated += target - known
             if new_tokens is not None:
-                seq.token_ids.extend(new_tokens)  # type: ignore[union-attr]
+                seq.generated_tokens.extend(new_tokens)  # type: ignore[union-attr]
                 self._extend_chain(seq)
         before = len(seq.block_table)
         self._created = []
@@ -686,11 +715,11 @@ class KVCacheManager:
 
     def _extend_chain(self, seq: Sequence) -> None:
         """Token mode: hash every block of ``seq``'s known tokens that became full."""
-        known, hashes, bs = seq.token_ids, seq.hashes, self.block_size
-        for d in range(len(hashes), len(known) // bs):  # type: ignore[arg-type]
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(hash_block(parent, known[d * bs:(d + 1) * bs],  # type: ignore
-                                     self.extra_key))
+        hashes, bs = seq.hashes, self.block_size
+        first, full = len(hashes), seq.num_known // bs
+        if full > first:
+            hashes.extend(chain_hashes(seq.token_array(first * bs, full * bs), bs, self._extra,
+                                       hashes[-1] if hashes else ROOT_HASH))
 
     def _allocate_to(self, seq: Sequence, target: int, now: float, created_by: str) -> None:
         """Allocate blocks until ``target`` token slots are covered (the caller evicted
@@ -718,15 +747,17 @@ class KVCacheManager:
         cached, table, hashes = seq.cached_blocks, seq.block_table, seq.hashes
         request = seq.request
         kinds = request.block_kinds
-        known = seq.token_ids
         bs = self.block_size
+        first = len(cached)
+        # token mode: the new blocks' ids in one array (one copy), each block a view of it
+        known = None if seq.prompt_tokens is None else seq.token_array(first * bs, end * bs)
         prompt_len = request.prompt_len
         nbytes = self.pool.bytes_per_block
         cls, session, retention = request.workload_class, request.session_id, request.retention
         tick = self._tick
         run: list[BlockInfo] = []  # new blocks not yet registered: a chain
         parent = cached[-1] if cached else None  # seq holds the parent: it stays no candidate
-        for depth in range(len(cached), end):
+        for depth in range(first, end):
             block_hash = hashes[depth]
             existing = lookup(block_hash)
             if existing is not None:  # computed twice concurrently: keep the cached copy
@@ -739,7 +770,8 @@ class KVCacheManager:
             tokens = None
             kind = kinds[depth] if kinds is not None and depth < len(kinds) else "prompt"
             if known is not None:
-                tokens = np.asarray(known[depth * bs:(depth + 1) * bs], dtype=np.int64)
+                at = (depth - first) * bs
+                tokens = known[at:at + bs]
                 if (depth + 1) * bs > prompt_len:
                     kind = "output"  # holds generated tokens
             tick += 1

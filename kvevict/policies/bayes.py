@@ -74,6 +74,7 @@ _HIT_OWN, _HIT_OTHER = 2, 3
 #: The 16 (block_type, transition) pairs, in pair-index order.
 PAIRS = tuple((bt, tr) for bt in BLOCK_TYPES for tr in TRANSITIONS)
 _NPAIRS = len(PAIRS)
+_heappush = heapq.heappush
 #: Tokens per block assumed for the recompute cost of a block without token ids (vLLM's default).
 DEFAULT_BLOCK_SIZE = 16
 
@@ -390,19 +391,22 @@ class BayesReuse(Policy):
             tokens = block.tokens
             bs = len(tokens) if tokens is not None and len(tokens) else DEFAULT_BLOCK_SIZE
         cost = self._cost_cache.get((block.depth, bs, block.nbytes))
-        state.pkey = (self.cost_per_byte(block) if cost is None else cost, tick, block_id)
-        heap = self._heaps[state.pair]
-        heapq.heappush(heap, state.pkey)
+        pair = state.pair
+        state.pkey = key = (self.cost_per_byte(block) if cost is None else cost, tick, block_id)
+        heap = self._heaps[pair]
+        _heappush(heap, key)
         if len(heap) == 1:
-            self._occupied.add(state.pair)
-        self._live[state.pair] += 1
-        if len(heap) > 2 * self._live[state.pair] + 64:
-            self._compact_pair(state.pair)
+            self._occupied.add(pair)
+        live = self._live
+        live[pair] += 1
+        if len(heap) > 2 * live[pair] + 64:
+            self._compact_pair(pair)
         if expires != math.inf:
-            state.xkey = (expires, tick, block.block_id)
-            heapq.heappush(self._expiry, state.xkey)
+            state.xkey = key = (expires, tick, block_id)
+            expiry = self._expiry
+            _heappush(expiry, key)
             self._num_pending += 1
-            if len(self._expiry) > 2 * self._num_pending + 64:
+            if len(expiry) > 2 * self._num_pending + 64:
                 self._compact_expiry()
 
     def _uncandidate(self, state: _State, now: float) -> None:
@@ -467,6 +471,40 @@ class BayesReuse(Policy):
     # -- victim ----------------------------------------------------------------------------
 
     def victim(self, now: float) -> int | None:
+        best = self._best(now)
+        return None if best is None else best[0][2]
+
+    def pop_victim(self, now: float) -> int | None:
+        """`victim` and `on_evict` in one call: the chosen heap head is popped at once (no
+        stale entry left behind) and its period closed as `on_evict` closes it."""
+        best = self._best(now)
+        if best is None:
+            return None
+        key, pair = best
+        block_id = key[2]
+        state = self._states.pop(block_id)
+        if pair < 0:  # a failed candidate (its failure already counted)
+            heapq.heappop(self._failed)
+            self._num_failed -= 1
+        else:
+            heapq.heappop(self._heaps[pair])
+            self._live[pair] -= 1
+            if state.xkey is not None:
+                self._num_pending -= 1  # its expiry entry is stale now
+            if self.count_evictions:
+                # the failure, and its pair's mean brought up to date at once (the next
+                # victim then finds nothing stale), as `_current_means` computes it
+                fail = self.failures[pair] = self.failures[pair] + 1
+                if pair not in self._stale_means:
+                    a = self.prior_alpha[pair] + self.successes[pair]
+                    b = self.prior_beta[pair] + fail
+                    self._means[pair] = a / (a + b)
+        state.pkey = state.xkey = None
+        return block_id
+
+    def _best(self, now: float) -> tuple[tuple, int] | None:
+        """The victim's live heap entry and its pair (-1: the failed heap), or None. Stale
+        entries ahead of it are popped; the entry itself stays in its heap, at the top."""
         if now != self._expired_at:
             self._expire(now)
         if self.thompson:  # one draw per pair per call, used or not: reproducible streams
@@ -486,11 +524,12 @@ class BayesReuse(Policy):
             if state is not None and state.xkey is key and state.pkey is None:
                 if stale:
                     stats["stale_pops"] += stale
-                return key[2]
+                return key, -1
             heapq.heappop(failed)
             stale += 1
         # the least (score, tick, id) over the pairs' heads; unique, so any visiting order
         best: tuple | None = None
+        best_pair = -1
         best_score = 0.0
         compared = 0
         heaps = self._heaps
@@ -512,13 +551,13 @@ class BayesReuse(Policy):
             score = means[pair] * key[0]
             if (best is None or score < best_score
                     or (score == best_score and (key[1], key[2]) < (best[1], best[2]))):
-                best, best_score = key, score
+                best, best_score, best_pair = key, score, pair
         if emptied is not None:
             self._occupied.difference_update(emptied)
         stats["head_comparisons"] += compared
         if stale:
             stats["stale_pops"] += stale
-        return None if best is None else best[2]
+        return None if best is None else (best, best_pair)
 
     # -- compaction ----------------------------------------------------------------------
 
