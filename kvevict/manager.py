@@ -54,7 +54,7 @@ from kvevict.errors import AdmissionDeferred, ConfigError, OutOfBlocks, PolicyEr
 from kvevict.hashing import ROOT_HASH, block_hashes, chain_hashes, encode_extra
 from kvevict.invariants import InvariantError, check_manager
 from kvevict.pins import Pins
-from kvevict.policies.base import Policy, make_policy
+from kvevict.policies.base import Policy, hook, make_policy, pop_victim_of
 from kvevict.pool import BlockPool
 from kvevict.prefix import PrefixTree
 from kvevict.tiers import TierStack
@@ -209,27 +209,6 @@ class Sequence:
                 f"cached={self.num_cached_tokens})")
 
 
-def _pop_victim_of(policy: Policy) -> Callable[[float], Any] | None:
-    """The policy's ``pop_victim`` if it has one that agrees with its ``victim`` and
-    ``on_evict``: a subclass that redefines either (say, an LRU that picks another victim)
-    is asked through them instead, so its override is never bypassed."""
-    mro = type(policy).__mro__
-
-    def owner(name: str) -> int:
-        return next(i for i, cls in enumerate(mro) if name in cls.__dict__)
-
-    pop = owner("pop_victim")
-    if mro[pop].__dict__["pop_victim"] is None or min(owner("victim"), owner("on_evict")) < pop:
-        return None
-    return policy.pop_victim  # type: ignore[return-value]
-
-
-def _overrides(obj: object, base: type, name: str) -> Callable[..., Any] | None:
-    """``obj``'s bound method ``name`` if its class overrides ``base``'s no-op, else None
-    (the manager skips calls to hooks left as no-ops: a hot path)."""
-    return None if getattr(type(obj), name) is getattr(base, name) else getattr(obj, name)
-
-
 class KVCacheManager:
     """Paged KV-cache residency with prefix caching and a pluggable eviction policy.
 
@@ -283,15 +262,15 @@ class KVCacheManager:
         self._created: list[BlockInfo] = []
         self._eviction_listeners: list[Callable[[BlockInfo, float], None]] = []
         self.policy.bind(self.block_size)
-        self._on_hit = _overrides(self.policy, Policy, "on_hit")
-        self._on_hits = _overrides(self.policy, Policy, "on_hits")
-        self._on_insert = _overrides(self.policy, Policy, "on_insert")
-        self._on_begin = _overrides(self.policy, Policy, "on_begin")
-        self._on_finish = _overrides(self.policy, Policy, "on_finish")
-        self._on_admitted = _overrides(self.admission, Admission, "on_admitted")
+        self._on_hit = hook(self.policy, Policy, "on_hit")
+        self._on_hits = hook(self.policy, Policy, "on_hits")
+        self._on_insert = hook(self.policy, Policy, "on_insert")
+        self._on_begin = hook(self.policy, Policy, "on_begin")
+        self._on_finish = hook(self.policy, Policy, "on_finish")
+        self._on_admitted = hook(self.admission, Admission, "on_admitted")
         # what the eviction loop calls, bound once (it runs for every block a request needs)
         self._victim, self._on_evict = self.policy.victim, self.policy.on_evict
-        self._pop_victim = _pop_victim_of(self.policy)
+        self._pop_victim = pop_victim_of(self.policy)
         self._candidates, self._evict_from_tree = self.tree.candidates, self.tree.evict
         self._withheld, self._refused = self.pins.withheld, self.pins.refused
 

@@ -75,7 +75,7 @@ from kvevict.cost import CostModel
 from kvevict.errors import ConfigError, PolicyError
 from kvevict.hashing import ROOT_HASH
 from kvevict.layout import KVLayout
-from kvevict.policies.base import Policy, make_policy
+from kvevict.policies.base import Policy, make_policy, pop_victim_of
 from kvevict.types import BlockInfo
 
 if TYPE_CHECKING:
@@ -724,7 +724,7 @@ class Tier:
         """Take ``policy`` (the stack builds it, priced for this tier)."""
         policy.bind(block_size)
         self.policy = policy
-        self._pop = _pop_victim_of(policy)
+        self._pop = pop_victim_of(policy)
         self._on_candidate = policy.on_candidate
         self._on_insert = None if type(policy).on_insert is Policy.on_insert else \
             policy.on_insert
@@ -752,20 +752,6 @@ class Tier:
     def __repr__(self) -> str:
         return (f"Tier({self.name!r}, blocks={len(self._records)}/{self.capacity_blocks}, "
                 f"policy={self.policy!r}, store={self.store!r})")
-
-
-def _pop_victim_of(policy: Policy) -> Any:
-    """``policy.pop_victim`` unless a subclass redefines ``victim`` or ``on_evict`` below the
-    class that defines it (then it is asked through those), as the manager does."""
-    mro = type(policy).__mro__
-
-    def owner(name: str) -> int:
-        return next(i for i, cls in enumerate(mro) if name in cls.__dict__)
-
-    pop = owner("pop_victim")
-    if mro[pop].__dict__["pop_victim"] is None or min(owner("victim"), owner("on_evict")) < pop:
-        return None
-    return policy.pop_victim  # type: ignore[attr-defined]
 
 
 def _view(d: dict) -> Mapping:

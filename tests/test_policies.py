@@ -386,7 +386,7 @@ def test_a_subclass_that_redefines_victim_or_on_evict_is_never_bypassed(make_man
     """LRU pops its queue in one call (``pop_victim``); an LRU subclass that picks another
     victim, or watches evictions, is asked through its own ``victim`` / ``on_evict``."""
     from kvevict import LRU
-    from kvevict.manager import _pop_victim_of
+    from kvevict.policies.base import pop_victim_of
 
     class Newest(LRU):
         def victim(self, now):
@@ -399,8 +399,8 @@ def test_a_subclass_that_redefines_victim_or_on_evict_is_never_bypassed(make_man
             self.seen = [*getattr(self, "seen", []), block.block_id]
             super().on_evict(block, now)
 
-    assert _pop_victim_of(LRU()) is not None and _pop_victim_of(Newest()) is None
-    assert _pop_victim_of(Watching()) is None
+    assert pop_victim_of(LRU()) is not None and pop_victim_of(Newest()) is None
+    assert pop_victim_of(Watching()) is None
     watching = Watching()
     m = make_manager(4, watching)
     for i in range(3):

@@ -40,7 +40,9 @@ __all__ = [
     "Policy",
     "ScoredPolicy",
     "available_policies",
+    "hook",
     "make_policy",
+    "pop_victim_of",
     "register_policy",
 ]
 
@@ -206,6 +208,29 @@ class ScoredPolicy(Policy):
 # The registry is `kvevict.policies.registry` (one generic `kvevict.registry.Registry` serves
 # block and token policies); its names are re-exported here, where the policy modules import
 # them from. Imported last because that module needs `Policy` above.
+
+
+def pop_victim_of(policy: Policy) -> Callable[[float], Any] | None:
+    """The policy's ``pop_victim`` if it has one that agrees with its ``victim`` and
+    ``on_evict``: a subclass that redefines either (say, an LRU that picks another victim)
+    is asked through them instead, so its override is never bypassed. The manager, the
+    memory tiers and the vLLM adapter all evict through this."""
+    mro = type(policy).__mro__
+
+    def owner(name: str) -> int:
+        return next(i for i, cls in enumerate(mro) if name in cls.__dict__)
+
+    pop = owner("pop_victim")
+    if mro[pop].__dict__["pop_victim"] is None or min(owner("victim"), owner("on_evict")) < pop:
+        return None
+    return policy.pop_victim  # type: ignore[return-value]
+
+
+def hook(obj: object, base: type, name: str) -> Callable[..., Any] | None:
+    """``obj``'s bound method ``name`` if its class overrides ``base``'s no-op, else None
+    (a caller skips hooks left as no-ops: a hot path)."""
+    return None if getattr(type(obj), name) is getattr(base, name) else getattr(obj, name)
+
 
 from kvevict.policies.registry import (  # noqa: E402
     available_policies,

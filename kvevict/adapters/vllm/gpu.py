@@ -68,8 +68,7 @@ import attrs
 from kvevict.adapters.vllm import check_vllm_version, vllm_version
 from kvevict.adapters.vllm.offload import RequestInfo
 from kvevict.errors import ConfigError, PolicyError
-from kvevict.manager import _overrides, _pop_victim_of
-from kvevict.policies.base import Policy
+from kvevict.policies.base import Policy, hook, pop_victim_of
 from kvevict.policies.registry import build_policy, is_offline, load_entry_point_policies
 from kvevict.types import BlockInfo, MonotonicClock, Request
 
@@ -303,12 +302,12 @@ class GPUTier:
         self.p_uncandidate = policy.on_uncandidate
         self.p_evict = policy.on_evict
         self.p_victim = policy.victim
-        self.p_pop = _pop_victim_of(policy)
-        self.p_insert = _overrides(policy, Policy, "on_insert")
-        self.p_hit = _overrides(policy, Policy, "on_hit")
-        self.p_hits = _overrides(policy, Policy, "on_hits")
-        self.p_begin = _overrides(policy, Policy, "on_begin")
-        self.p_finish = _overrides(policy, Policy, "on_finish")
+        self.p_pop = pop_victim_of(policy)
+        self.p_insert = hook(policy, Policy, "on_insert")
+        self.p_hit = hook(policy, Policy, "on_hit")
+        self.p_hits = hook(policy, Policy, "on_hits")
+        self.p_begin = hook(policy, Policy, "on_begin")
+        self.p_finish = hook(policy, Policy, "on_finish")
         price = getattr(policy, "price", None)
         self.p_price = price if callable(price) and self.config.metrics_path else None
 
