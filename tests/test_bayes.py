@@ -276,31 +276,31 @@ def test_victim_cost_is_bounded_by_the_pair_count(n):
 
 
 def test_every_victim_is_the_brute_force_minimum():
-    """The lazy 16-queue index picks exactly the candidate a full scan would pick."""
-
-    class Peeked(BayesReuse):  # asked through victim + on_evict: the listener below sees the
-        on_evict = BayesReuse.on_evict  # victim still indexed (pop_victim: test_speed_paths)
-
+    """The lazy 16-queue index picks exactly the candidate a full scan would pick, on the
+    path the manager takes (`pop_victim`): each call is checked against a scan of every
+    candidate made just before it, then answered by the policy's own `pop_victim`."""
     clock = ManualClock()
-    policy = Peeked(horizon=5.0)
-    m = KVCacheManager(BlockPool(14, 4), policy, clock=clock)
+    policy = BayesReuse(horizon=5.0)
     checked = []
+    m = None
+    real_pop = policy.pop_victim
 
-    def check(block, now):
+    def scanned_pop(now):
         keys = {}
         for c in m.tree.candidates:
             b = m.block(c)
-            failed = now - b.last_access > policy.horizon
-            assert policy._states[c].failed == failed
-            if failed:
+            if now - b.last_access > policy.horizon:
                 keys[c] = (0, b.last_access + policy.horizon, b.last_access_tick, c)
             else:
                 mean = policy.posterior_mean(*policy.pair_of(c))
                 keys[c] = (1, mean * policy.cost_per_byte(b), b.last_access_tick, c)
-        assert block.block_id == min(keys, key=keys.get)
-        checked.append(keys[block.block_id][0])
+        victim = real_pop(now)
+        assert victim == min(keys, key=keys.get)
+        checked.append(keys[victim][0])
+        return victim
 
-    m.add_eviction_listener(check)
+    policy.pop_victim = scanned_pop  # the manager binds this at construction
+    m = KVCacheManager(BlockPool(14, 4), policy, clock=clock)
     _stream(m, clock, rounds=120)
     assert len(checked) > 50
     assert set(checked) == {0, 1}  # failed and live victims both happened
