@@ -44,6 +44,13 @@ idle time in units of the horizon, times the block's recompute seconds per byte
 first; ties go to the least recently used. No gap distribution is assumed for the odds (they
 are counted, not fitted); the discount only orders blocks of one cell by recency.
 
+**Gap distributions** (``gaps="empirical"``, an option; measured below the default, see
+docs/policies/learned.md). Per cell, `GapTable` keeps a decayed log-spaced histogram of the
+time to a block's next use, censored (Kaplan-Meier, open trials counted at their age), and
+the price is ``P(t < G <= t + H | G > t) * cost / bytes`` at the block's idle time ``t``: a
+step function of the idle time's bin, kept exact in the heap by a timer per candidate at the
+end of its bin.
+
 **Index.** In log form the price is ``log p + log(cost / bytes) + (last_access - t0) / H`` up
 to a term shared by every candidate, so it does not change with ``now``: a candidate is priced
 once, when it becomes one (or, for the blocks a request releases, when its ``on_finish``
