@@ -14,7 +14,15 @@ from kvevict import workloads
 from kvevict.cost import CostModel
 from kvevict.errors import ConfigError
 from kvevict.manager import KVCacheManager
-from kvevict.policies.learned import ConversationTracker, LearnedReuse, ReuseTable
+from kvevict.policies.learned import (
+    GAP_EDGES,
+    NUM_GAP_BINS,
+    ConversationTracker,
+    GapTable,
+    LearnedReuse,
+    ReuseTable,
+    gap_bin,
+)
 from kvevict.pool import BlockPool
 from kvevict.replay import replay
 from kvevict.sim import simulate
@@ -271,6 +279,8 @@ def test_bad_arguments_are_named() -> None:
         LearnedReuse(memory=1)
     with pytest.raises(ConfigError, match="max_conversations"):
         LearnedReuse(max_conversations=0)
+    with pytest.raises(ConfigError, match="gaps must be one of"):
+        LearnedReuse(gaps="lognormal")
     with pytest.raises(ConfigError, match="cost_model"):
         LearnedReuse(cost_model="h100")  # type: ignore[arg-type]
 
@@ -285,3 +295,125 @@ def test_golden_block_hit_ratios_on_the_bundled_trace(size: int) -> None:
     reqs = workloads.read_mooncake(workloads.bundled_trace_path())
     result = replay(reqs, "learned", size, 512, time="arrival")
     assert round(result.block_hit_ratio, 4) == GOLDEN[size]
+
+
+# -- the empirical gap model (gaps="empirical", an option) -------------------------------------
+
+
+def test_gap_bins_are_log_spaced_from_a_tenth_of_a_second_to_a_day() -> None:
+    assert len(GAP_EDGES) == NUM_GAP_BINS == 26
+    assert GAP_EDGES[1] == pytest.approx(0.1) and GAP_EDGES[-1] == pytest.approx(86_400.0)
+    assert GAP_EDGES[2] / GAP_EDGES[1] == pytest.approx(864_000 ** (1 / 24))
+    assert [gap_bin(x) for x in (0.0, 0.05, 0.1, 1.0, 10.0, 20.0, 86_400.0, 1e9)] \
+        == [0, 0, 1, 5, 9, 10, 25, 25]
+
+
+def test_gap_table_is_the_kaplan_meier_estimate_with_open_trials_censored() -> None:
+    """Gaps 1, 1, 10 and one trial still open at age 20: KM gives S = 1/2 past 1 s and 1/4
+    past 10 s (at 10 s, two are at risk: the event and the open trial). A negligible prior
+    weight: the pooled prior counts resolved trials only, not open ones."""
+    table = GapTable(prior_weight=1e-12, memory=float("inf"))
+    for i in range(4):
+        table.open(("a", i), "a", 0.0)
+    table.reuse(("a", 0), 1.0)
+    table.reuse(("a", 1), 1.0)
+    table.reuse(("a", 2), 10.0)
+    assert table.observations == 3
+    events, censored = table.counts("a")
+    assert events[5] == events[9] * 2 == 2.0 and sum(censored) == 0.0
+    assert table.open_counts("a", 20.0)[10] == 1.0  # age 20 s: bin 10
+    s = table.survival("a", now=20.0)
+    assert s[5] == 1.0 and s[6] == s[9] == pytest.approx(0.5) and s[10] == pytest.approx(0.25)
+    assert s[-1] == pytest.approx(0.25)  # no event seen past 10 s
+    # without the open trial (only what has resolved), the last one at risk returned
+    assert table.survival("a")[10] == 0.0
+    # a trial open past the window (a day) is censored there and closed
+    table.expire(90_000.0)
+    assert table.observations == 4 and table.counts("a")[1][25] == 1.0
+    assert not table.trials
+
+
+def test_a_sparse_cell_backs_off_to_the_pooled_gaps() -> None:
+    table = GapTable(prior_weight=8.0, memory=float("inf"))
+    for i in range(8):
+        table.open(("a", i), "a", 0.0)
+        table.reuse(("a", i), 1.0)  # every gap of a is 1 s
+    assert table.hazards("a")[5] == 1.0
+    assert table.hazards("new")[5] == 1.0  # an unseen cell: the pooled estimate
+    table.open(("b", 0), "b", 0.0)
+    table.reuse(("b", 0), 10.0)  # one gap of 10 s in b, against 8 pseudo-trials at 1 s
+    pooled_at_1s = 8 / 9
+    assert table.hazards("b")[5] == pytest.approx(8 * pooled_at_1s / (1 + 8))
+
+
+def test_empirical_cold_start_is_lru() -> None:
+    m, clock = manager(4, LearnedReuse(FLAT, gaps="empirical"))
+    for i, t in enumerate((0, 1, 2, 3)):
+        run(m, clock, t, i, (100 + i,))
+    run(m, clock, 4, 9, (101,))
+    assert victims(m, 4) == [100, 102, 103, 101]
+
+
+def test_a_heavy_tailed_cell_keeps_a_block_idle_90_s_over_a_short_gap_cells_idle_20_s() -> None:
+    """Cell "heavy": gaps of 1 s to 300 s. Cell "short": half its blocks return within 10 s,
+    the rest never (still open). At 90 s idle a heavy block still has even odds of a return
+    within H = 60 s; a short-gap block idle 20 s is almost surely dead."""
+    policy = LearnedReuse(FLAT, gaps="empirical")
+    m, clock = manager(400, policy)
+    run(m, clock, 400.0, "h", (("heavy", 0),), cls="heavy")
+    run(m, clock, 470.0, "s", (("short", 0),), cls="short")
+    heavy, short = m.tree.get(("heavy", 0)), m.tree.get(("short", 0))
+    ch, cs = policy.cell(heavy), policy.cell(short)
+    assert ch != cs
+    table = policy.table
+    assert isinstance(table, GapTable)
+    for j, gap in enumerate((1, 2, 5, 10, 30, 60, 100, 150, 200, 300) * 2):
+        table.open(("h", j), ch, 0.0)
+        table.reuse(("h", j), float(gap))
+    for j in range(20):
+        table.open(("s", j), cs, 0.0)
+        if j < 10:
+            table.reuse(("s", j), 1.0 + 0.8 * j)  # 1 to 8.2 s; the other ten stay open
+    now = 490.0
+    assert policy.horizon == 60.0
+    assert policy.return_odds(heavy, now) > 0.4 > 0.1 > policy.return_odds(short, now)
+    clock.set(now)
+    assert victims(m, 1) == [("short", 0)]  # the more recent one, LRU's last choice
+
+
+def test_empirical_estimates_at_t_use_no_event_after_t() -> None:
+    reqs = workloads.read_mooncake(workloads.bundled_trace_path())
+    cut = 300.0
+    head = [r for r in reqs if r.arrival <= cut]
+
+    def table_at_cut(source: list[Request]) -> dict:
+        policy = LearnedReuse(gaps="empirical")
+        snapshot: dict = {}
+        orig = policy.on_begin
+
+        def on_begin(request, hits, new, now, orig=orig):
+            if request.arrival <= cut:
+                table = policy.table
+                snapshot.clear()
+                snapshot.update(
+                    odds={c: table.return_odds(c, policy.horizon, now) for c in table.cells()},
+                    horizon=policy.horizon, obs=table.observations)
+            orig(request, hits, new, now)
+
+        policy.on_begin = on_begin  # type: ignore[method-assign]
+        replay(source, policy, 2000, 512, time="arrival")
+        return snapshot
+
+    full, partial = table_at_cut(reqs), table_at_cut(head)
+    assert full == partial
+    assert full["obs"] > 500
+
+
+EMPIRICAL = {1000: 0.0857, 2000: 0.1544, 5000: 0.2967, 10000: 0.4530, 20000: 0.6098}
+
+
+@pytest.mark.parametrize("size", [2000, 20000])
+def test_empirical_golden_block_hit_ratios(size: int) -> None:
+    reqs = workloads.read_mooncake(workloads.bundled_trace_path())
+    result = replay(reqs, LearnedReuse(gaps="empirical"), size, 512, time="arrival")
+    assert round(result.block_hit_ratio, 4) == EMPIRICAL[size]

@@ -44,6 +44,13 @@ idle time in units of the horizon, times the block's recompute seconds per byte
 first; ties go to the least recently used. No gap distribution is assumed for the odds (they
 are counted, not fitted); the discount only orders blocks of one cell by recency.
 
+**Gap distributions** (``gaps="empirical"``, an option; measured below the default, see
+docs/policies/learned.md). Per cell, `GapTable` keeps a decayed log-spaced histogram of the
+time to a block's next use, censored (Kaplan-Meier, open trials counted at their age), and
+the price is ``P(t < G <= t + H | G > t) * cost / bytes`` at the block's idle time ``t``: a
+step function of the idle time's bin, kept exact in the heap by a timer per candidate at the
+end of its bin.
+
 **Index.** In log form the price is ``log p + log(cost / bytes) + (last_access - t0) / H`` up
 to a term shared by every candidate, so it does not change with ``now``: a candidate is priced
 once, when it becomes one (or, for the blocks a request releases, when its ``on_finish``
@@ -74,7 +81,7 @@ from kvevict.policies.base import Policy, register_policy
 from kvevict.policies.market.price import CostBuckets, check_learning, checked_cost_model
 from kvevict.types import BlockInfo, Request
 
-__all__ = ["ConversationTracker", "LearnedReuse", "ReuseTable"]
+__all__ = ["ConversationTracker", "GapTable", "LearnedReuse", "ReuseTable", "gap_bin"]
 
 #: Horizon (seconds) before the first eviction: the market's default horizon.
 INITIAL_HORIZON_S = 60.0
@@ -86,6 +93,9 @@ TRIAL_EVERY = 4
 #: Every candidate is repriced after this many evictions per candidate (amortized: half a
 #: repricing per eviction).
 REPRICE_EVERY = 2
+#: How the odds of reuse fall with idle time: "empirical" (a censored gap histogram per
+#: cell, `GapTable`) or "exponential" (odds within H times exp(-idle / H), `ReuseTable`).
+GAP_MODELS = ("empirical", "exponential")
 
 
 class ConversationTracker:
@@ -252,6 +262,246 @@ class ReuseTable:
         return (w * ts / (ts + tf) + s) / (w + s + self.fail.get(cell, 0.0))
 
 
+#: Edges (seconds) of the gap histogram: bin 0 is [0, 0.1 s), bins 1 to 24 are log-spaced
+#: from 0.1 s to one day (a factor of 864,000^(1/24), about 1.77, per bin), bin 25 is a day
+#: or more. The range spans a token's time to a user's next-day return; 24 log bins give
+#: about four per decade.
+GAP_BINS = 24
+GAP_LO = 0.1
+GAP_HI = 86_400.0
+GAP_LOG_RATIO = math.log(GAP_HI / GAP_LO) / GAP_BINS
+GAP_EDGES: tuple[float, ...] = (0.0,) + tuple(
+    GAP_LO * math.exp(k * GAP_LOG_RATIO) for k in range(GAP_BINS + 1))
+#: Number of bins, the last one open-ended.
+NUM_GAP_BINS = GAP_BINS + 2
+#: A trial still open this long (seconds) after its release is censored there and closed:
+#: the histogram's range, one day.
+GAP_WINDOW = GAP_HI
+#: A cell's survival table is recomputed once this fraction of its weight is new (and at
+#: every rebuild of the heap): its estimate then moves by at most about that much between.
+REFRESH_FRACTION = 0.125
+_INV_LOG_RATIO = 1.0 / GAP_LOG_RATIO
+_LAST_BIN = NUM_GAP_BINS - 1
+
+
+def gap_bin(seconds: float) -> int:
+    """The histogram bin of a gap (or an idle time) of ``seconds`` (see `GAP_EDGES`)."""
+    if seconds < GAP_LO:
+        return 0
+    k = 1 + int(math.log(seconds / GAP_LO) * _INV_LOG_RATIO)
+    return k if k < _LAST_BIN else _LAST_BIN
+
+
+class GapTable:
+    """Per feature cell, the decayed empirical distribution of the time to a block's next use,
+    censored (see the module docstring, "Gap distributions").
+
+    Each trial (a sampled block use, as in `ReuseTable`) ends either in an *event*, the same
+    content used again after ``gap`` seconds, filed in the log-spaced bin of ``gap``, or is
+    *censored* at its age when it has been open longer than the window (`WINDOW_HORIZONS`
+    horizons), filed in the bin of that age. Per bin, the hazard is the Kaplan-Meier (life
+    table) estimate: events in the bin over the trials still at risk at its start (Kaplan
+    and Meier, "Nonparametric estimation from incomplete observations", JASA 1958; the
+    censored at a bin are counted at risk in it, their convention for ties). The survival
+    ``S(t) = P(no use within t)`` is the product of ``1 - hazard``; it counts the blocks that
+    never return (their ``S`` stays at ``1 - P(return)``), so no return probability is kept
+    apart from the gaps. A cell is shrunk to the pooled histogram of all cells with
+    ``prior_weight`` pseudo-trials, so a sparse cell backs off to the average. Counts decay
+    by ``1 - 1/memory`` per observation of the cell (the pooled ones per observation of any
+    cell), stored scaled (one multiplication per observation, not one per bin).
+    """
+
+    def __init__(self, prior_weight: float, memory: float) -> None:
+        self.prior_weight = prior_weight
+        self.gamma = 1.0 - 1.0 / memory
+        self._inv_gamma = 1.0 / self.gamma
+        #: cell -> [events per bin, censored per bin, scale]: counts are stored times scale
+        self._cells: dict[Any, list[Any]] = {}
+        self._pooled: list[Any] = [[0.0] * NUM_GAP_BINS, [0.0] * NUM_GAP_BINS, 1.0]
+        #: block hash -> (release time, cell) of its open trial
+        self.trials: dict[Any, tuple[float, Any]] = {}
+        #: (release time, the hashes released then), oldest first: one entry per release
+        self._order: deque[tuple[float, list[Any]]] = deque()
+        #: observations so far (a version: estimates change only when it moves)
+        self.observations = 0
+        #: cell -> observations of it (its own version)
+        self.cell_observations: dict[Any, int] = {}
+        #: cell -> (release time, block hash, the cell's observations then) of the trials
+        #: opened in it, oldest first (closed ones are dropped when it is next read)
+        self._open: dict[Any, deque[tuple[float, Any, int]]] = {}
+
+    def open_all(self, trials: Sequence[tuple[Any, Any]], now: float) -> None:
+        """Open a trial for each ``(block hash, cell)`` of one release at ``now``."""
+        table = self.trials
+        hashes = []
+        by_cell, seen = self._open, self.cell_observations
+        for block_hash, cell in trials:
+            table[block_hash] = (now, cell)
+            hashes.append(block_hash)
+            q = by_cell.get(cell)
+            if q is None:
+                q = by_cell[cell] = deque()
+            q.append((now, block_hash, seen.get(cell, 0)))
+        self._order.append((now, hashes))
+
+    def open(self, block_hash: Any, cell: Any, now: float) -> None:
+        """A use of ``block_hash`` ended at ``now``; its block was in ``cell``."""
+        self.open_all([(block_hash, cell)], now)
+
+    def open_counts(self, cell: Any, now: float) -> list[float]:
+        """Per bin, ``cell``'s trials still open at ``now``, each in the bin of its age and
+        weighted by the decay of the cell's observations since it opened: censored at
+        ``now``, as the Kaplan-Meier estimate at ``now`` counts them."""
+        counts = [0.0] * NUM_GAP_BINS
+        q = self._open.get(cell)
+        if not q:
+            return counts
+        trials, g = self.trials, self.gamma
+        n = self.cell_observations.get(cell, 0)
+        keep: deque[tuple[float, Any, int]] = deque()
+        for entry in q:
+            trial = trials.get(entry[1])
+            if trial is not None and trial[0] == entry[0] and trial[1] == cell:
+                keep.append(entry)
+                counts[gap_bin(max(now - entry[0], 0.0))] += g ** (n - entry[2])
+        self._open[cell] = keep
+        return counts
+
+    def reuse_all(self, block_hashes: Iterable[Any], now: float) -> None:
+        """``block_hashes`` (one request's blocks) are used again at ``now``: an event at the
+        gap since each one's open trial."""
+        trials = self.trials
+        pop = trials.pop
+        for block_hash in block_hashes:
+            trial = pop(block_hash, None)
+            if trial is not None:
+                if trial[0] > now:  # opened after that use: not its reuse
+                    trials[block_hash] = trial
+                    continue
+                self._observe(trial[1], now - trial[0], True)
+
+    def reuse(self, block_hash: Any, now: float) -> None:
+        """`reuse_all` of one block hash."""
+        self.reuse_all((block_hash,), now)
+
+    def expire(self, now: float, window: float = GAP_WINDOW) -> None:
+        """Censor every trial open longer than ``window`` at ``now``, at its age."""
+        order, trials = self._order, self.trials
+        limit = now - window
+        while order and order[0][0] < limit:
+            t0, hashes = order.popleft()
+            for h in hashes:
+                trial = trials.get(h)
+                if trial is not None and trial[0] == t0:
+                    del trials[h]
+                    self._observe(trial[1], now - t0, False)
+
+    def _observe(self, cell: Any, age: float, event: bool) -> None:
+        k = gap_bin(age)
+        which = 0 if event else 1
+        entry = self._cells.get(cell)
+        if entry is None:
+            entry = self._cells[cell] = [[0.0] * NUM_GAP_BINS, [0.0] * NUM_GAP_BINS, 1.0]
+        for e in (entry, self._pooled):
+            # decay every count by gamma (the scale grows by 1/gamma), then add one
+            e[2] *= self._inv_gamma
+            e[which][k] += e[2]
+            if e[2] > 1e100:
+                s = 1.0 / e[2]
+                e[0] = [x * s for x in e[0]]
+                e[1] = [x * s for x in e[1]]
+                e[2] = 1.0
+        self.cell_observations[cell] = self.cell_observations.get(cell, 0) + 1
+        self.observations += 1
+
+    def counts(self, cell: Any) -> tuple[list[float], list[float]]:
+        """The decayed (events, censored) per bin of ``cell`` (zeros if never observed)."""
+        entry = self._cells.get(cell)
+        if entry is None:
+            return [0.0] * NUM_GAP_BINS, [0.0] * NUM_GAP_BINS
+        s = 1.0 / entry[2]
+        return [x * s for x in entry[0]], [x * s for x in entry[1]]
+
+    def cells(self) -> list[Any]:
+        """The cells observed so far."""
+        return list(self._cells)
+
+    def weight(self, cell: Any) -> float:
+        """The decayed number of trials of ``cell``."""
+        events, censored = self.counts(cell)
+        return sum(events) + sum(censored)
+
+    def hazards(self, cell: Any, now: float | None = None) -> list[float]:
+        """Per bin, the Kaplan-Meier hazard of ``cell``'s counts shrunk to the pooled ones:
+        events in the bin over the trials at risk at its start (0 where none is). With
+        ``now``, the cell's open trials count as censored at their age (`open_counts`)."""
+        events, censored = self.counts(cell)
+        if now is not None:
+            censored = [a + b for a, b in zip(censored, self.open_counts(cell, now))]
+        ps = 1.0 / self._pooled[2]
+        pe, pc = self._pooled[0], self._pooled[1]
+        total = (sum(pe) + sum(pc)) * ps
+        w = self.prior_weight * ps / total if total > 0 else 0.0
+        d = [events[k] + w * pe[k] for k in range(NUM_GAP_BINS)]
+        c = [censored[k] + w * pc[k] for k in range(NUM_GAP_BINS)]
+        out = [0.0] * NUM_GAP_BINS
+        at_risk = 0.0
+        for k in range(NUM_GAP_BINS - 1, -1, -1):
+            at_risk += d[k] + c[k]
+            out[k] = d[k] / at_risk if at_risk > 0 else 0.0
+        return out
+
+    def survival(self, cell: Any, now: float | None = None) -> list[float]:
+        """``S`` at the start of each bin (``GAP_EDGES``; 1 at 0): the estimated probability
+        that a block of ``cell`` is not used again within that time."""
+        s, out = 1.0, []
+        for h in self.hazards(cell, now):
+            out.append(s)
+            s *= 1.0 - h
+        return out
+
+    def return_odds(self, cell: Any, horizon: float, now: float | None = None) -> list[float]:
+        """Per bin of idle time, ``P(t < G <= t + H | G > t)`` for a block of ``cell`` idle
+        ``t`` (the bin's geometric middle; 0.05 s in bin 0, a day in the last): the odds
+        that it is used again within ``horizon`` given it has not been for ``t``.
+
+        ``S(x)`` between edges is interpolated with the bin's hazard spread evenly over log
+        time (linear time in bin 0), and is flat past a day. With ``S`` counting the blocks
+        that never return, this is the posterior the brief of issue 13 writes as
+        ``p (F(t + H) - F(t)) / (p S_r(t) + 1 - p)`` with ``p`` the return probability and
+        ``S_r = 1 - F`` the survival of the returning blocks' gaps: the same number.
+        """
+        hz = self.hazards(cell, now)
+        start = []
+        s = 1.0
+        for h in hz:
+            start.append(s)
+            s *= 1.0 - h
+
+        def surv(x: float) -> float:
+            k = gap_bin(x)
+            if k == _LAST_BIN:
+                return start[k]
+            if k == 0:
+                f = x / GAP_LO
+            else:
+                f = (math.log(x / GAP_EDGES[k])) * _INV_LOG_RATIO
+            keep = 1.0 - hz[k]
+            return start[k] * (keep ** f if keep > 0 else (1.0 if f <= 0 else 0.0))
+
+        out = []
+        for k in range(NUM_GAP_BINS):
+            if k == 0:
+                t = 0.5 * GAP_LO
+            elif k == _LAST_BIN:
+                t = GAP_HI
+            else:
+                t = GAP_EDGES[k] * math.exp(0.5 * GAP_LOG_RATIO)
+            st = surv(t)
+            out.append(1.0 - surv(t + horizon) / st if st > 0 else 0.0)
+        return out
+
+
 @register_policy("learned")
 class LearnedReuse(Policy):
     """Evict the candidate with the lowest learned price (see the module docstring).
@@ -268,15 +518,22 @@ class LearnedReuse(Policy):
 
     def __init__(self, cost_model: CostModel | None = None, *, block_size: int | None = None,
                  prior_weight: float = 8.0, memory: float = 1000.0,
-                 max_conversations: int = 100_000) -> None:
+                 max_conversations: int = 100_000, gaps: str = "exponential") -> None:
         cost_model = checked_cost_model(cost_model, block_size)
         check_learning(prior_weight, memory)
+        if gaps not in GAP_MODELS:
+            raise ConfigError(f"gaps must be one of {', '.join(map(repr, GAP_MODELS))}, "
+                              f"got {gaps!r}")
+        self.gaps = gaps
+        self._empirical = gaps == "empirical"
         self.cost_model = cost_model
         self.block_size = block_size
         self.prior_weight = float(prior_weight)
         self.memory = float(memory)
         self.conversations = ConversationTracker(max_conversations)
-        self.table = ReuseTable(self.prior_weight, self.memory)
+        self.table: GapTable | ReuseTable = (
+            GapTable(self.prior_weight, self.memory) if self._empirical
+            else ReuseTable(self.prior_weight, self.memory))
         self.costs: CostBuckets | None = None
         #: the horizon H (seconds): moving mean of evicted idle times
         self.horizon = INITIAL_HORIZON_S
@@ -297,6 +554,11 @@ class LearnedReuse(Policy):
         self._log_p_version = -1
         self._exposed: list[BlockInfo] = []  # priced since the last victim choice
         self._exposed_at = 0  # the table's version they were priced with
+        #: empirical gaps: cell -> (log odds per idle bin, the cell's observations and
+        #: weight when computed)
+        self._odds: dict[Any, tuple[list[float], int, float]] = {}
+        #: empirical gaps: (time the idle bin of a key ends, block id, that key)
+        self._timers: list[tuple[float, int, tuple[float, int, int]]] = []
 
     def bind(self, block_size: int) -> None:
         super().bind(block_size)
@@ -321,18 +583,60 @@ class LearnedReuse(Policy):
                  b.depth.bit_length() if b.depth < 64 else 7) for b in blocks]
 
     def price(self, block: BlockInfo, now: float) -> float:
-        """The block's price at ``now``: ``p(cell) * exp(-idle / H) * cost / bytes``."""
+        """The block's price at ``now``: with empirical gaps, ``P(used again within H | idle
+        so far) * cost / bytes`` (the odds of its cell at the bin of its idle time); with
+        exponential ones, ``p(cell) * exp(-idle / H) * cost / bytes``."""
         costs = self.costs
         if costs is None:
             raise ConfigError("the policy is not bound to a manager yet")
         log_cpb = costs.of(block)[0]
-        h = self.horizon
-        return self.table.p(self.cell(block)) * math.exp(
-            log_cpb - max(now - block.last_access, 0.0) / h)
+        idle = max(now - block.last_access, 0.0)
+        if self._empirical:
+            return math.exp(self._log_odds(self.cell(block), now)[gap_bin(idle)] + log_cpb)
+        table = self.table
+        assert isinstance(table, ReuseTable)
+        return table.p(self.cell(block)) * math.exp(log_cpb - idle / self.horizon)
 
-    def _key(self, block: BlockInfo, cell: tuple[Any, ...]) -> tuple[float, int, int]:
-        """The heap entry of ``block`` in ``cell``: (log price up to a shared term, tick, block
-        id). The log odds of a cell are kept until the table observes anything."""
+    def return_odds(self, block: BlockInfo, now: float) -> float:
+        """With empirical gaps, the odds that ``block`` is used again within ``H`` given its
+        idle time at ``now`` (its price without the cost)."""
+        if not self._empirical:
+            raise ConfigError("return_odds needs gaps='empirical'")
+        idle = max(now - block.last_access, 0.0)
+        return math.exp(self._log_odds(self.cell(block), now)[gap_bin(idle)])
+
+    def _log_odds(self, cell: tuple[Any, ...], now: float) -> list[float]:
+        """Log of the cell's odds per idle bin (empirical gaps), recomputed once
+        `REFRESH_FRACTION` of the cell's weight is new since, and at every rebuild."""
+        table = self.table
+        assert isinstance(table, GapTable)
+        seen = table.cell_observations.get(cell, 0)
+        cached = self._odds.get(cell)
+        if cached is not None and seen - cached[1] < max(1.0, REFRESH_FRACTION * cached[2]):
+            return cached[0]
+        log = math.log
+        odds = [log(q) if q > 0 else -math.inf for q in table.return_odds(cell, self.horizon,
+                                                                          now)]
+        self._odds[cell] = (odds, seen, table.weight(cell))
+        return odds
+
+    def _key(self, block: BlockInfo, cell: tuple[Any, ...], now: float
+             ) -> tuple[float, int, int]:
+        """The heap entry of ``block`` in ``cell`` at ``now``: (log price up to a shared term,
+        tick, block id). Exponential gaps: the log odds of a cell are kept until the table
+        observes anything. Empirical gaps: the log odds at the bin of the idle time, and a
+        timer at the end of that bin."""
+        if self._empirical:
+            last = block.last_access
+            idle = now - last
+            k = gap_bin(idle if idle > 0 else 0.0)
+            while k < NUM_GAP_BINS - 1 and last + GAP_EDGES[k + 1] <= now:
+                k += 1  # an idle time at a bin's edge, rounded below it
+            key = (self._log_odds(cell, now)[k] + self.costs.of(block)[0],  # type: ignore[union-attr]
+                   block.last_access_tick, block.block_id)
+            if k < NUM_GAP_BINS - 1:
+                heapq.heappush(self._timers, (last + GAP_EDGES[k + 1], block.block_id, key))
+            return key
         table = self.table
         log_p = self._log_p
         if self._log_p_version != table.observations:
@@ -340,21 +644,21 @@ class LearnedReuse(Policy):
             self._log_p_version = table.observations
         lp = log_p.get(cell)
         if lp is None:
-            lp = log_p[cell] = math.log(table.p(cell))
+            lp = log_p[cell] = math.log(table.p(cell))  # type: ignore[union-attr]
         return (lp + self.costs.of(block)[0]  # type: ignore[union-attr]
                 + (block.last_access - self._t0) / self._key_horizon,
                 block.last_access_tick, block.block_id)
 
-    def _price_pending(self) -> None:
+    def _price_pending(self, now: float) -> None:
         """Price the candidates that are waiting for it."""
         pending, keys, heap, key, cell = (self._pending, self._keys, self._heap, self._key,
                                           self.cell)
         for block in pending.values():
-            k = keys[block.block_id] = key(block, cell(block))
+            k = keys[block.block_id] = key(block, cell(block), now)
             heapq.heappush(heap, k)
         pending.clear()
 
-    def _reprice(self, blocks: Sequence[BlockInfo]) -> None:
+    def _reprice(self, blocks: Sequence[BlockInfo], now: float) -> None:
         """Price again those of ``blocks`` that are still priced candidates: the estimates
         changed since (a candidate exposed by the last eviction of a request is priced with
         the estimates of the next request's first eviction, as one priced then would be)."""
@@ -362,8 +666,21 @@ class LearnedReuse(Policy):
         for block in blocks:
             block_id = block.block_id
             if block_id in keys:
-                k = keys[block_id] = key(block, state[block_id])
+                k = keys[block_id] = key(block, state[block_id], now)
                 heapq.heappush(heap, k)
+
+    def _rekey_due(self, now: float) -> None:
+        """Empirical gaps: price again every candidate whose idle time left its bin."""
+        timers, keys, blocks, heap = self._timers, self._keys, self._blocks, self._heap
+        key, state, cell = self._key, self._state, self.cell
+        pop, push = heapq.heappop, heapq.heappush
+        while timers and timers[0][0] <= now:
+            _, block_id, old = pop(timers)
+            if keys.get(block_id) is old:
+                block = blocks[block_id]
+                c = state.get(block_id)
+                k = keys[block_id] = key(block, c if c is not None else cell(block), now)
+                push(heap, k)
 
     def _rebuild(self, now: float) -> None:
         """Reprice every candidate with the current estimates and horizon."""
@@ -371,6 +688,8 @@ class LearnedReuse(Policy):
         self._key_horizon = self.horizon
         self._pending.clear()
         self._exposed.clear()
+        self._odds.clear()
+        self._timers = []
         keys = self._keys
         keys.clear()
         heap = []
@@ -378,7 +697,7 @@ class LearnedReuse(Policy):
         for block in self._blocks.values():
             block_id = block.block_id
             c = state.get(block_id)
-            k = keys[block_id] = key(block, c if c is not None else cell(block))
+            k = keys[block_id] = key(block, c if c is not None else cell(block), now)
             heap.append(k)
         heapq.heapify(heap)
         self._heap = heap
@@ -386,16 +705,30 @@ class LearnedReuse(Policy):
 
     # -- events ----------------------------------------------------------------------------
 
-    def on_hits(self, request: Request, hits: Sequence[BlockInfo], now: float) -> None:
+    def _expire(self, now: float) -> None:
+        """Resolve the trials that are too old at ``now``: censored past the window
+        (empirical gaps), failed past the horizon (exponential)."""
+        if self._empirical:
+            self.table.expire(now)
+        else:
+            self.table.expire(now, self.horizon)
+
+    def _resolve(self, block_hashes: Iterable[Any], now: float) -> None:
+        """``block_hashes`` are used again at ``now``."""
         table = self.table
-        h = self.horizon
-        table.expire(now, h)
-        table.reuse_all([block.block_hash for block in hits], now, h)
+        if isinstance(table, GapTable):
+            table.reuse_all(block_hashes, now)
+        else:
+            table.reuse_all(block_hashes, now, self.horizon)
+
+    def on_hits(self, request: Request, hits: Sequence[BlockInfo], now: float) -> None:
+        self._expire(now)
+        self._resolve([block.block_hash for block in hits], now)
 
     def on_begin(self, request: Request, hits: Sequence[BlockInfo],
                  new: Sequence[BlockInfo], now: float) -> None:
         # the misses that cached content used before: reuses the cache did not serve
-        self.table.reuse_all([block.block_hash for block in new], now, self.horizon)
+        self._resolve([block.block_hash for block in new], now)
         self._running[request.request_id] = (self.conversations.begin(
             request, hits, new, self.manager_block_size), len(hits) + len(new))
 
@@ -412,11 +745,11 @@ class LearnedReuse(Policy):
             # blocks cached after the begin (later prefill chunks): reuses when they were
             # cached, before the trials they resolve can expire
             for block in blocks[known:]:
-                table.reuse_all((block.block_hash,), block.created, self.horizon)
+                self._resolve((block.block_hash,), block.created)
         out = request.output_len
         cells = self._cells(blocks, min(out.bit_length(), 10) if out > 0 else 0, turn)
         state = self._state
-        table.expire(now, self.horizon)
+        self._expire(now)
         pending = self._pending
         trials = []
         released, released_cells = [], []
@@ -438,7 +771,7 @@ class LearnedReuse(Policy):
         if released:
             keys, heap, key = self._keys, self._heap, self._key
             for block, cell in zip(released, released_cells):
-                k = keys[block.block_id] = key(block, cell)
+                k = keys[block.block_id] = key(block, cell, now)
                 heapq.heappush(heap, k)
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
@@ -449,7 +782,7 @@ class LearnedReuse(Policy):
             # released now (its request's on_finish gives its features), or never released
             self._pending[block_id] = block
         else:  # exposed by an eviction: its features are those of its last release
-            key = self._keys[block_id] = self._key(block, cell)
+            key = self._keys[block_id] = self._key(block, cell, now)
             heapq.heappush(self._heap, key)
             self._exposed.append(block)
             self._exposed_at = self.table.observations
@@ -486,12 +819,14 @@ class LearnedReuse(Policy):
             self._rebuild(now)
         else:
             if self._pending:
-                self._price_pending()
+                self._price_pending(now)
             exposed = self._exposed
             if exposed:
                 if self._exposed_at != self.table.observations:
-                    self._reprice(exposed)
+                    self._reprice(exposed, now)
                 exposed.clear()
+            if self._timers:
+                self._rekey_due(now)
         heap, keys = self._heap, self._keys
         while heap:
             top = heap[0]
@@ -515,5 +850,5 @@ class LearnedReuse(Policy):
         return block_id
 
     def __repr__(self) -> str:
-        return (f"LearnedReuse(prior_weight={self.prior_weight}, memory={self.memory}, "
-                f"horizon={self.horizon:.3g})")
+        return (f"LearnedReuse(gaps={self.gaps!r}, prior_weight={self.prior_weight}, "
+                f"memory={self.memory}, horizon={self.horizon:.3g})")
