@@ -643,6 +643,14 @@ class Tier:
     def pop_victim(self, now: float) -> BlockInfo | None:
         """Take out the candidate the policy names (as `remove` would), or None when there
         is none."""
+        block = self._take_victim(now)
+        if block is not None:
+            self._release(block, now)
+        return block
+
+    def _take_victim(self, now: float) -> BlockInfo | None:
+        """The candidate the policy names, out of the candidates (its ``on_evict`` sent), or
+        None when there is none; a name that is not a candidate is a `PolicyError`."""
         candidates = self._candidates
         if not candidates:
             return None
@@ -656,7 +664,6 @@ class Tier:
                               policy=self.policy, event="victim", block_id=victim_id)
         if pop is None:
             self.policy.on_evict(block, now)  # type: ignore[union-attr]
-        self._release(block, now)
         return block
 
     def swap(self, block: BlockInfo, now: float) -> BlockInfo | None:
@@ -665,19 +672,10 @@ class Tier:
         ``block`` takes its slot. ``block.num_children`` counts its children here, the
         victim included if it is one (then it counts one less). Returns the victim, or None
         (``block`` left out) when the tier has no candidate."""
-        candidates = self._candidates
-        if not candidates:
-            return None
-        pop = self._pop
-        victim_id = pop(now) if pop is not None else \
-            self.policy.victim(now)  # type: ignore[union-attr]
-        victim = candidates.pop(victim_id, None)
+        victim = self._take_victim(now)
         if victim is None:
-            raise PolicyError(f"{self.policy!r}.victim() in tier {self.name!r} returned "
-                              f"{victim_id!r}, which is not one of its candidates",
-                              policy=self.policy, event="victim", block_id=victim_id)
-        if pop is None:
-            self.policy.on_evict(victim, now)  # type: ignore[union-attr]
+            return None
+        victim_id, candidates = victim.block_id, self._candidates
         if self._frees:
             self.store.free(victim_id, victim)
         records, name = self._records, self.name
