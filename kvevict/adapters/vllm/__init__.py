@@ -30,6 +30,7 @@ __all__ = [
     "ALLOW_UNTESTED_ENV",
     "SUPPORTED_VLLM",
     "KVEvictCachePolicy",
+    "check_table_args",
     "check_vllm_version",
     "gpu_policy",
     "offload_policy",
@@ -114,3 +115,21 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     return getattr(importlib.import_module(module), name)
+
+
+def check_table_args(policies: Any, capacities: Any, unit: str) -> tuple[list[str], list[int]]:
+    """The policy names and sizes of a replay table through vLLM, checked before any replay
+    runs: a list (not one string) of distinct names, and positive int sizes in ``unit``."""
+    if isinstance(policies, str):
+        raise ConfigError("policies must be a list of names, not one string")
+    policies = list(policies)
+    if not policies:
+        raise ConfigError("policies must name at least one policy")
+    twice = sorted({p for p in policies if policies.count(p) > 1})
+    if twice:
+        raise ConfigError(f"policies name {', '.join(twice)} twice")
+    sizes = list(capacities)
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"capacities must be positive ints ({unit}), got {size!r}")
+    return policies, sizes

@@ -38,7 +38,9 @@ from typing import Any
 
 import numpy as np
 
-# kvevict's GPU-tier module first: it checks vLLM is there (and supported) before any import
+from kvevict.adapters.vllm import check_table_args
+
+# kvevict's GPU-tier module before vLLM's: it checks vLLM is there (and supported) first
 from kvevict.adapters.vllm.gpu import GPUTier, KVEvictKVCacheManager, gpu_policy
 from kvevict.errors import ConfigError
 from kvevict.policies.registry import is_offline
@@ -261,17 +263,7 @@ def replay_gpu_table(requests: Iterable[Request], policies: Sequence[str],
     Returns:
         A `ReplayTable`, for `kvevict.replay.format_table`.
     """
-    if isinstance(policies, str):
-        raise ConfigError("policies must be a list of names, not one string")
-    policies = list(policies)
-    if not policies:
-        raise ConfigError("policies must name at least one policy")
-    twice = sorted({p for p in policies if policies.count(p) > 1})
-    if twice:
-        raise ConfigError(f"policies name {', '.join(twice)} twice")
-    sizes = list(capacities)
-    for size in sizes:
-        _positive_int("capacities", size)
+    policies, sizes = check_table_args(policies, capacities, "blocks")
     for policy in policies:  # a bad name fails before any replay runs
         make_gpu_manager(policy, 1, block_size=block_size)
     stream = GPUStream(requests, block_size)

@@ -34,6 +34,7 @@ import time as _time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from kvevict.adapters.vllm import check_table_args
 from kvevict.adapters.vllm.offload import KVEvictCachePolicy, offload_policy
 from kvevict.errors import ConfigError
 from kvevict.hashing import block_hashes
@@ -225,18 +226,7 @@ def replay_offload_table(requests: Iterable[Request], policies: Sequence[str],
     Returns:
         A `ReplayTable` (``capacities`` in chunks), for `kvevict.replay.format_table`.
     """
-    if isinstance(policies, str):
-        raise ConfigError("policies must be a list of names, not one string")
-    policies = list(policies)
-    if not policies:
-        raise ConfigError("policies must name at least one policy")
-    twice = sorted({p for p in policies if policies.count(p) > 1})
-    if twice:
-        raise ConfigError(f"policies name {', '.join(twice)} twice")
-    sizes = list(capacities)
-    for size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ConfigError(f"capacities must be positive ints (chunks), got {size!r}")
+    policies, sizes = check_table_args(policies, capacities, "chunks")
     for policy in policies:  # a bad name fails before any replay runs
         make_manager(policy, 1, chunk_tokens=chunk_tokens)
     cut = offload_requests(requests, chunk_tokens)
