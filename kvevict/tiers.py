@@ -1039,7 +1039,8 @@ class TierStack:
                 place(block, 1, now, None if kv is None else kv[:, :, block.block_id])
             return
         tier = self.tiers[0]
-        below, where = self._below, self._where
+        below = self._below
+        index, unindex = self._index, self._unindex
         cost_rule, worth = self._cost_rule, self._worth
         swap, add = tier.swap, tier.add
         free = tier.num_free
@@ -1068,23 +1069,9 @@ class TierStack:
                     self._drop(block, "back_pressure", now)
                     free = tier.num_free
                     continue
-                # the victim, a leaf of the last tier, has no descendants: it is gone
-                vh = victim.block_hash
-                del where[vh]
-                if victim.depth:
-                    siblings = below.get(victim.parent_hash)
-                    if siblings is not None:
-                        siblings.pop(vh, None)
-                        if not siblings:
-                            del below[victim.parent_hash]
+                unindex(victim)  # a leaf of the last tier, no descendants: it is gone
                 lost += 1
-            where[h] = block
-            if block.depth:
-                siblings = below.get(block.parent_hash)
-                if siblings is None:
-                    below[block.parent_hash] = {h: block}
-                else:
-                    siblings[h] = block
+            index(block)
             placed += 1
         self._demoted[1] += placed
         drops = self._drops
@@ -1139,13 +1126,7 @@ class TierStack:
             name = tier.name
             block.num_children = sum(1 for c in kids.values() if c.tier == name)
         tier.add(block, now)
-        self._where[h] = block
-        if block.depth > 0:
-            siblings = below.get(block.parent_hash)
-            if siblings is None:
-                below[block.parent_hash] = {h: block}
-            else:
-                siblings[h] = block
+        self._index(block)
         self._demoted[k] += 1
         return True
 
@@ -1187,7 +1168,20 @@ class TierStack:
         tier.remove(block, now)
         self._unindex(block)
 
+    def _index(self, block: BlockInfo) -> None:
+        """Enter ``block`` (just placed in a tier) in the stack's indexes: by hash, and
+        among its parent's children below the pool."""
+        h = block.block_hash
+        self._where[h] = block
+        if block.depth > 0:
+            siblings = self._below.get(block.parent_hash)
+            if siblings is None:
+                self._below[block.parent_hash] = {h: block}
+            else:
+                siblings[h] = block
+
     def _unindex(self, block: BlockInfo) -> None:
+        """Take ``block`` out of the stack's indexes (`_index` undone)."""
         del self._where[block.block_hash]
         if block.depth > 0:
             kids = self._below.get(block.parent_hash)
@@ -1364,9 +1358,7 @@ class TierStack:
                 block.parent.num_children += 1  # type: ignore[union-attr]
         for block in reversed(keep):  # children first: a parent's count is final
             tier.add(block, 0.0)
-            self._where[block.block_hash] = block
-            if block.depth > 0:
-                self._below.setdefault(block.parent_hash, {})[block.block_hash] = block
+            self._index(block)
 
     def __repr__(self) -> str:
         return f"TierStack({', '.join(repr(t) for t in self.tiers)})"
