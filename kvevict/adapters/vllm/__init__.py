@@ -21,10 +21,11 @@ against (`SUPPORTED_VLLM`) and refuses others (`check_vllm_version`).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
-from kvevict.errors import ConfigError
+from kvevict.errors import ConfigError, PolicyError
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
@@ -34,6 +35,7 @@ __all__ = [
     "check_vllm_version",
     "gpu_policy",
     "offload_policy",
+    "policy_failure",
     "register_gpu_plugin",
     "replay_gpu",
     "replay_offload",
@@ -133,3 +135,19 @@ def check_table_args(policies: Any, capacities: Any, unit: str) -> tuple[list[st
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(f"capacities must be positive ints ({unit}), got {size!r}")
     return policies, sizes
+
+
+def policy_failure(policy: Any, event: str, unit: str, block_id: int | None,
+                   exc: BaseException | None, message: str | None,
+                   fallback: str) -> PolicyError:
+    """The `PolicyError` of a policy that raised (``exc``) or misbehaved (``message``) in
+    ``event`` on ``block_id`` (a ``unit``: block or chunk), logged at ERROR with its
+    traceback on the adapters' logger ``kvevict.adapters.vllm``; ``fallback`` says how the
+    tier evicts from then on. The caller stops calling the policy (it is quarantined)."""
+    text = message or f"{type(exc).__name__}: {exc}"
+    error = PolicyError(f"policy {policy!r} failed in {event} ({unit} {block_id}): {text}; "
+                        f"{fallback}", policy=policy, event=event, block_id=block_id)
+    if exc is not None:
+        error.__cause__ = exc
+    logging.getLogger("kvevict.adapters.vllm").error("%s", error, exc_info=exc)
+    return error

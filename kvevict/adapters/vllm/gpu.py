@@ -65,7 +65,7 @@ from typing import Any
 
 import attrs
 
-from kvevict.adapters.vllm import check_vllm_version, vllm_version
+from kvevict.adapters.vllm import check_vllm_version, policy_failure, vllm_version
 from kvevict.adapters.vllm.offload import RequestInfo
 from kvevict.errors import ConfigError, PolicyError
 from kvevict.policies.base import Policy, hook, pop_victim_of
@@ -314,18 +314,12 @@ class GPUTier:
     def quarantine(self, event: str, block_id: int | None, exc: BaseException | None,
                    message: str | None = None) -> None:
         """Stop calling the policy after it raised (or named a non-candidate) in ``event``."""
-        policy = self.policy
-        text = message or f"{type(exc).__name__}: {exc}"
-        error = PolicyError(f"policy {policy!r} failed in {event} (block {block_id}): {text}; "
-                            "the GPU prefix cache now evicts in vLLM's LRU order",
-                            policy=policy, event=event, block_id=block_id)
-        if exc is not None:
-            error.__cause__ = exc
-        self.policy_error = error
+        self.policy_error = policy_failure(
+            self.policy, event, "block", block_id, exc, message,
+            "the GPU prefix cache now evicts in vLLM's LRU order")
         self.policy = None
         self.p_insert = self.p_hit = self.p_hits = self.p_begin = self.p_finish = None
         self.p_price = None
-        logger.error("%s", error, exc_info=exc)
 
     # -- candidates --------------------------------------------------------------------------
 

@@ -59,7 +59,7 @@ from typing import Any
 
 import attrs
 
-from kvevict.adapters.vllm import check_vllm_version, vllm_version
+from kvevict.adapters.vllm import check_vllm_version, policy_failure, vllm_version
 from kvevict.errors import ConfigError, PolicyError
 from kvevict.policies.base import Policy
 from kvevict.policies.registry import build_policy, is_offline
@@ -332,18 +332,11 @@ class KVEvictCachePolicy(CachePolicy):
 
     def _quarantine(self, event: str, key: OffloadKey | None, exc: BaseException | None,
                     message: str | None = None) -> None:
-        policy = self.policy
         record = self.records.get(key) if key is not None else None
         block_id = record.block_id if record is not None else None
-        text = message or f"{type(exc).__name__}: {exc}"
-        error = PolicyError(f"policy {policy!r} failed in {event} (chunk {block_id}): {text}; "
-                            "the offload tier now evicts without it",
-                            policy=policy, event=event, block_id=block_id)
-        if exc is not None:
-            error.__cause__ = exc
-        self.policy_error = error
+        self.policy_error = policy_failure(self.policy, event, "chunk", block_id, exc, message,
+                                           "the offload tier now evicts without it")
         self.policy = None
-        logger.error("%s", error, exc_info=exc)
 
     def _call(self, event: str, record: BlockInfo, key: OffloadKey) -> None:
         """Send a block event; quarantine the policy if it raises."""
