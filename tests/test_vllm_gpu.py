@@ -16,8 +16,10 @@ import random
 import subprocess
 import sys
 import textwrap
+from typing import ClassVar
 
 import pytest
+import recorder
 
 from kvevict.errors import ConfigError, PolicyError
 from kvevict.policies.base import ScoredPolicy
@@ -69,47 +71,12 @@ def g():
 BS = 16
 
 
-class Recorder(LRU):
-    """kvevict's LRU that logs its block events as (event, block id)."""
+class Recorder(recorder.Recorder):
+    """The shared recording LRU, its events logged under short labels."""
 
-    pop_victim = None  # victim + on_evict, so that both show in the log
-
-    def __init__(self, fail: str | None = None, after: int = 0) -> None:
-        super().__init__()
-        self.log: list[tuple[str, int]] = []
-        self.fail, self.after = fail, after
-
-    def _note(self, event: str, block) -> None:
-        if event == self.fail:
-            if self.after == 0:
-                raise RuntimeError(f"{event} broke")
-            self.after -= 1
-        self.log.append((event, block.block_id))
-
-    def on_insert(self, block, now):
-        self._note("ins", block)
-
-    def on_hit(self, block, now):
-        self._note("hit", block)
-
-    def on_candidate(self, block, now):
-        self._note("cand", block)
-        super().on_candidate(block, now)
-
-    def on_uncandidate(self, block, now):
-        self._note("unc", block)
-        super().on_uncandidate(block, now)
-
-    def on_evict(self, block, now):
-        self._note("ev", block)
-        super().on_evict(block, now)
-
-    def victim(self, now):
-        if self.fail == "victim":
-            if self.after == 0:
-                raise RuntimeError("victim broke")
-            self.after -= 1
-        return super().victim(now)
+    LABELS: ClassVar[dict[str, str]] = {
+        "on_insert": "ins", "on_hit": "hit", "on_candidate": "cand", "on_uncandidate": "unc",
+        "on_evict": "ev"}
 
 
 class MRU(ScoredPolicy):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from recorder import Recorder
 
 from kvevict.errors import ConfigError, PolicyError
 from kvevict.policies.lru import LRU
@@ -83,49 +84,6 @@ def v():
 
 def key(v, i: int):
     return v.key(i.to_bytes(8, "big"), 0)
-
-
-class Recorder(LRU):
-    """kvevict's LRU that logs every event as (event, chunk id)."""
-
-    def __init__(self, fail: str | None = None, after: int = 0) -> None:
-        super().__init__()
-        self.log: list[tuple[str, int]] = []
-        self.fail, self.after = fail, after
-
-    def _note(self, event: str, block) -> None:
-        if event == self.fail:
-            if self.after == 0:
-                raise RuntimeError(f"{event} broke")
-            self.after -= 1
-        self.log.append((event, block.block_id))
-
-    def on_insert(self, block, now):
-        self._note("on_insert", block)
-
-    def on_hit(self, block, now):
-        self._note("on_hit", block)
-
-    def on_candidate(self, block, now):
-        self._note("on_candidate", block)
-        super().on_candidate(block, now)
-
-    def on_uncandidate(self, block, now):
-        self._note("on_uncandidate", block)
-        super().on_uncandidate(block, now)
-
-    def on_evict(self, block, now):
-        self._note("on_evict", block)
-        super().on_evict(block, now)
-
-    pop_victim = None
-
-    def victim(self, now):
-        if self.fail == "victim":
-            if self.after == 0:
-                raise RuntimeError("victim broke")
-            self.after -= 1
-        return super().victim(now)
 
 
 def build(v, capacity: int, policy, params=None, chunk_tokens: int = 16):
