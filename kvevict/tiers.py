@@ -878,15 +878,7 @@ class TierStack:
             return out
         from kvevict.policies.registry import POLICIES
 
-        if policy not in POLICIES:
-            return out
-        import inspect
-
-        try:
-            accepts = "cost_model" in inspect.signature(POLICIES.get(policy)).parameters
-        except (TypeError, ValueError):
-            accepts = False
-        if accepts:
+        if policy in POLICIES and "cost_model" in POLICIES.parameters(policy):
             out["cost_model"] = self.policy_cost_model(tier, out.get("cost_model"),
                                                        block_size=block_size)
         return out
