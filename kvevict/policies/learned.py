@@ -69,6 +69,7 @@ later (a chunked prefill's later chunks) when it finishes, each at the time it w
 
 from __future__ import annotations
 
+import abc
 import heapq
 import math
 from collections import OrderedDict, deque
@@ -172,17 +173,19 @@ class ConversationTracker:
         self.owner.pop(block_id, None)
 
 
-class ReuseTable:
-    """Per feature cell, the decayed odds that a block is used again within the horizon
-    (see the module docstring: trials, the Beta prior at the pooled rate, the decay)."""
+class TrialBook(abc.ABC):
+    """The open trials of a reuse table, and how they end: shared by `ReuseTable` and
+    `GapTable`, which differ only in what they learn from an ending (``_reused``,
+    ``_expired``).
 
-    def __init__(self, prior_weight: float, memory: float) -> None:
-        self.prior_weight = prior_weight
-        self.gamma = 1.0 - 1.0 / memory
-        self.succ: dict[Any, float] = {}
-        self.fail: dict[Any, float] = {}
-        self.total_succ = 1.0  # the pooled prior: one success and one failure
-        self.total_fail = 1.0
+    A trial opens when a sampled use of a block ends (``open``: its content's hash, its
+    cell, the time); it ends when the same content is used again (``reuse_all``: after
+    ``gap`` seconds) or when it has been open longer than a limit (``expire``). A use at a
+    time before the trial opened is not its reuse (the trial stays open), so no estimate at
+    time ``t`` uses an event after ``t``.
+    """
+
+    def __init__(self) -> None:
         #: block hash -> (release time, cell) of its open trial
         self.trials: dict[Any, tuple[float, Any]] = {}
         #: (release time, the hashes released then), oldest first: one entry per release
@@ -203,33 +206,71 @@ class ReuseTable:
             hashes.append(block_hash)
         self._order.append((now, hashes))
 
-    def reuse(self, block_hash: Any, now: float, horizon: float) -> None:
+    def reuse(self, block_hash: Any, now: float, horizon: float = math.inf) -> None:
         """``block_hash`` is used again at ``now`` (a hit, or a miss that caches it again)."""
         self.reuse_all((block_hash,), now, horizon)
 
-    def reuse_all(self, block_hashes: Iterable[Any], now: float, horizon: float) -> None:
-        """`reuse` of each of ``block_hashes`` (one request's blocks) at ``now``."""
+    def reuse_all(self, block_hashes: Iterable[Any], now: float,
+                  horizon: float = math.inf) -> None:
+        """`reuse` of each of ``block_hashes`` (one request's blocks) at ``now``; ``horizon``
+        for a table that counts a reuse within it as a success."""
         trials = self.trials
         pop = trials.pop
+        reused = self._reused
         for block_hash in block_hashes:
             trial = pop(block_hash, None)
             if trial is not None:
                 if trial[0] > now:  # opened after that use: not its reuse
                     trials[block_hash] = trial
                     continue
-                self._observe(trial[1], now - trial[0] <= horizon)
+                reused(trial[1], now - trial[0], horizon)
 
-    def expire(self, now: float, horizon: float) -> None:
-        """Fail every open trial older than ``horizon`` at ``now``."""
+    def expire(self, now: float, limit: float) -> None:
+        """End every trial open longer than ``limit`` seconds at ``now``."""
         order, trials = self._order, self.trials
-        limit = now - horizon
-        while order and order[0][0] < limit:
+        oldest = now - limit
+        expired = self._expired
+        while order and order[0][0] < oldest:
             t0, hashes = order.popleft()
             for h in hashes:
                 trial = trials.get(h)
                 if trial is not None and trial[0] == t0:
                     del trials[h]
-                    self._observe(trial[1], False)
+                    expired(trial[1], now - t0)
+
+    @abc.abstractmethod
+    def _reused(self, cell: Any, gap: float, horizon: float) -> None:
+        """A trial of ``cell`` ended in a reuse after ``gap`` seconds."""
+
+    @abc.abstractmethod
+    def _expired(self, cell: Any, age: float) -> None:
+        """A trial of ``cell`` ended unreused, open ``age`` seconds."""
+
+
+class ReuseTable(TrialBook):
+    """Per feature cell, the decayed odds that a block is used again within the horizon
+    (see the module docstring: trials, the Beta prior at the pooled rate, the decay). A
+    trial succeeds when it is reused within ``horizon`` (`reuse_all`) and fails when it has
+    been open longer (`expire` with the horizon as the limit)."""
+
+    def __init__(self, prior_weight: float, memory: float) -> None:
+        super().__init__()
+        self.prior_weight = prior_weight
+        self.gamma = 1.0 - 1.0 / memory
+        self.succ: dict[Any, float] = {}
+        self.fail: dict[Any, float] = {}
+        self.total_succ = 1.0  # the pooled prior: one success and one failure
+        self.total_fail = 1.0
+
+    def expire(self, now: float, horizon: float) -> None:
+        """Fail every open trial older than ``horizon`` at ``now``."""
+        super().expire(now, horizon)
+
+    def _reused(self, cell: Any, gap: float, horizon: float) -> None:
+        self._observe(cell, gap <= horizon)
+
+    def _expired(self, cell: Any, age: float) -> None:
+        self._observe(cell, False)
 
     def _observe(self, cell: Any, success: bool) -> None:
         # each cell's counts decay by gamma per observation of that cell (a memory of about
@@ -292,7 +333,7 @@ def gap_bin(seconds: float) -> int:
     return k if k < _LAST_BIN else _LAST_BIN
 
 
-class GapTable:
+class GapTable(TrialBook):
     """Per feature cell, the decayed empirical distribution of the time to a block's next use,
     censored (see the module docstring, "Gap distributions").
 
@@ -312,18 +353,13 @@ class GapTable:
     """
 
     def __init__(self, prior_weight: float, memory: float) -> None:
+        super().__init__()
         self.prior_weight = prior_weight
         self.gamma = 1.0 - 1.0 / memory
         self._inv_gamma = 1.0 / self.gamma
         #: cell -> [events per bin, censored per bin, scale]: counts are stored times scale
         self._cells: dict[Any, list[Any]] = {}
         self._pooled: list[Any] = [[0.0] * NUM_GAP_BINS, [0.0] * NUM_GAP_BINS, 1.0]
-        #: block hash -> (release time, cell) of its open trial
-        self.trials: dict[Any, tuple[float, Any]] = {}
-        #: (release time, the hashes released then), oldest first: one entry per release
-        self._order: deque[tuple[float, list[Any]]] = deque()
-        #: observations so far (a version: estimates change only when it moves)
-        self.observations = 0
         #: cell -> observations of it (its own version)
         self.cell_observations: dict[Any, int] = {}
         #: cell -> (release time, block hash, the cell's observations then) of the trials
@@ -331,22 +367,15 @@ class GapTable:
         self._open: dict[Any, deque[tuple[float, Any, int]]] = {}
 
     def open_all(self, trials: Sequence[tuple[Any, Any]], now: float) -> None:
-        """Open a trial for each ``(block hash, cell)`` of one release at ``now``."""
-        table = self.trials
-        hashes = []
+        """Open a trial for each ``(block hash, cell)`` of one release at ``now``, also in
+        its cell's list of open trials (`open_counts`)."""
+        super().open_all(trials, now)
         by_cell, seen = self._open, self.cell_observations
         for block_hash, cell in trials:
-            table[block_hash] = (now, cell)
-            hashes.append(block_hash)
             q = by_cell.get(cell)
             if q is None:
                 q = by_cell[cell] = deque()
             q.append((now, block_hash, seen.get(cell, 0)))
-        self._order.append((now, hashes))
-
-    def open(self, block_hash: Any, cell: Any, now: float) -> None:
-        """A use of ``block_hash`` ended at ``now``; its block was in ``cell``."""
-        self.open_all([(block_hash, cell)], now)
 
     def open_counts(self, cell: Any, now: float) -> list[float]:
         """Per bin, ``cell``'s trials still open at ``now``, each in the bin of its age and
@@ -367,34 +396,16 @@ class GapTable:
         self._open[cell] = keep
         return counts
 
-    def reuse_all(self, block_hashes: Iterable[Any], now: float) -> None:
-        """``block_hashes`` (one request's blocks) are used again at ``now``: an event at the
-        gap since each one's open trial."""
-        trials = self.trials
-        pop = trials.pop
-        for block_hash in block_hashes:
-            trial = pop(block_hash, None)
-            if trial is not None:
-                if trial[0] > now:  # opened after that use: not its reuse
-                    trials[block_hash] = trial
-                    continue
-                self._observe(trial[1], now - trial[0], True)
+    def expire(self, now: float, limit: float = GAP_WINDOW) -> None:
+        """Censor every trial open longer than ``limit`` (the window) at ``now``, at its
+        age."""
+        super().expire(now, limit)
 
-    def reuse(self, block_hash: Any, now: float) -> None:
-        """`reuse_all` of one block hash."""
-        self.reuse_all((block_hash,), now)
+    def _reused(self, cell: Any, gap: float, horizon: float) -> None:
+        self._observe(cell, gap, True)  # an event at the gap, whatever the horizon
 
-    def expire(self, now: float, window: float = GAP_WINDOW) -> None:
-        """Censor every trial open longer than ``window`` at ``now``, at its age."""
-        order, trials = self._order, self.trials
-        limit = now - window
-        while order and order[0][0] < limit:
-            t0, hashes = order.popleft()
-            for h in hashes:
-                trial = trials.get(h)
-                if trial is not None and trial[0] == t0:
-                    del trials[h]
-                    self._observe(trial[1], now - t0, False)
+    def _expired(self, cell: Any, age: float) -> None:
+        self._observe(cell, age, False)
 
     def _observe(self, cell: Any, age: float, event: bool) -> None:
         k = gap_bin(age)
@@ -715,11 +726,7 @@ class LearnedReuse(Policy):
 
     def _resolve(self, block_hashes: Iterable[Any], now: float) -> None:
         """``block_hashes`` are used again at ``now``."""
-        table = self.table
-        if isinstance(table, GapTable):
-            table.reuse_all(block_hashes, now)
-        else:
-            table.reuse_all(block_hashes, now, self.horizon)
+        self.table.reuse_all(block_hashes, now, self.horizon)
 
     def on_hits(self, request: Request, hits: Sequence[BlockInfo], now: float) -> None:
         self._expire(now)
