@@ -1,0 +1,29 @@
+"""Token-level eviction: which tokens of one long sequence stay in an attention layer's cache.
+
+A `TokenPolicy` (`kvevict.tokens.base`, where the shapes and the selection rule are
+documented) scores the tokens an attention layer stores and keeps ``budget`` of them per
+sequence; the caller (the Hugging Face adapter, the engine) gathers the kept keys and values.
+The training-free policies are in `kvevict.tokens.heuristics`; `kvevict.tokens.tasks` holds the
+synthetic long-context tasks the judge model is trained and evaluated on.
+"""
+
+from kvevict.tokens.base import (
+    TOKEN_POLICIES,
+    TokenPolicy,
+    available_token_policies,
+    make_token_policy,
+    register_token_policy,
+)
+from kvevict.tokens.heuristics import H2O, KeyNorm, SnapKV, StreamingLLM
+
+__all__ = [
+    "H2O",
+    "TOKEN_POLICIES",
+    "KeyNorm",
+    "SnapKV",
+    "StreamingLLM",
+    "TokenPolicy",
+    "available_token_policies",
+    "make_token_policy",
+    "register_token_policy",
+]

@@ -1,0 +1,264 @@
+"""Token-level eviction: which tokens of one long sequence stay in an attention layer's cache.
+
+This is the lossy kind of eviction (see the design notes): a `TokenPolicy` scores the tokens an
+attention layer currently stores and keeps ``budget`` of them per sequence. It only ranks; the
+caller (the Hugging Face adapter, the engine) gathers the kept keys and values. Only torch is
+imported here, never transformers.
+
+Shapes, for one layer of a batch of ``B`` sequences with ``Hkv`` key/value heads:
+
+- ``keys`` / ``values``: ``[B, Hkv, T, D]`` as stored (keys after RoPE). ``values`` may have
+  its own last dimension.
+- ``positions``: integer ``[B, T]``, each stored token's original position in its sequence.
+  Kept tokens keep their positions, so "sink" and "recent" are decided by position, not slot.
+- ``valid``: bool ``[B, T]``; False marks padding or an empty slot. Invalid slots are always
+  dropped first.
+- ``attention``: None, or float ``[B, Hkv, Q, T]``: the softmax probabilities of the last ``Q``
+  queries over the ``T`` stored keys, query heads averaged within each GQA group. Needed by the
+  policies with ``needs_attention = True`` (H2O, SnapKV).
+
+The selection is shared by all kv heads of a layer (per-head scores are averaged), so the
+layer's cache stays rectangular: ``select`` returns ``[B, min(budget, T)]`` slot indices,
+ascending per row. A row with fewer valid tokens than that keeps all of them, padded with its
+invalid slots (the caller gathers ``valid`` with the same indices).
+
+Ties are broken deterministically: equal scores keep the more recent token (larger position,
+then later slot). NaN scores rank below every other valid token.
+
+The heuristic policies are in `kvevict.tokens.heuristics`: ``streamingllm``
+(`StreamingLLM`), ``h2o`` (`H2O`), ``snapkv`` (`SnapKV`) and ``knorm`` (`KeyNorm`); build them
+with ``make_token_policy(name, budget=..., **params)``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from kvevict.errors import ConfigError, PolicyError
+from kvevict.registry import Registry
+
+__all__ = [
+    "TOKEN_POLICIES",
+    "TokenPolicy",
+    "available_token_policies",
+    "check_int",
+    "make_token_policy",
+    "newest",
+    "oldest",
+    "register_token_policy",
+]
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def check_int(name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _order(valid: Tensor, keys: list[tuple[Tensor, bool]], *, newest_slot_first: bool) -> Tensor:
+    """Per row, the slot indices sorted valid-first, then by ``keys`` (most significant first).
+
+    Each key is ``(tensor [B, T], descending)``. The final tie-break is the slot index itself
+    (later slots first when ``newest_slot_first``). Built by stable sorts from the least
+    significant key to the most significant one.
+    """
+    batch, length = valid.shape
+    order = torch.arange(length, device=valid.device).expand(batch, length)
+    if newest_slot_first:
+        order = order.flip(1)
+    for values, descending in reversed([(valid.to(torch.uint8), True), *keys]):
+        perm = torch.sort(values.gather(1, order), dim=1, descending=descending, stable=True)
+        order = order.gather(1, perm.indices)
+    return order
+
+
+def _rank(order: Tensor) -> Tensor:
+    """The inverse of `_order`: ``rank[b, slot]`` = where ``slot`` sits in row ``b``'s order."""
+    batch, length = order.shape
+    ranks = torch.arange(length, device=order.device).expand(batch, length)
+    return torch.empty_like(order).scatter_(1, order, ranks)
+
+
+def newest(positions: Tensor, valid: Tensor, count: int) -> Tensor:
+    """Bool ``[B, T]``: each row's ``count`` valid tokens with the largest positions."""
+    order = _order(valid, [(positions, True)], newest_slot_first=True)
+    return (_rank(order) < count) & valid
+
+
+def oldest(positions: Tensor, valid: Tensor, count: int) -> Tensor:
+    """Bool ``[B, T]``: each row's ``count`` valid tokens with the smallest positions."""
+    order = _order(valid, [(positions, False)], newest_slot_first=False)
+    return (_rank(order) < count) & valid
+
+
+# -- the protocol ----------------------------------------------------------------------------
+
+
+class TokenPolicy(abc.ABC):
+    """Base of token-level policies: score the stored tokens of a layer, keep ``budget``.
+
+    A subclass implements `score`; `select` (valid-first, top ``budget`` by score, ties to the
+    more recent token, returned ascending) is shared. A stateful policy (H2O) overrides `reset`,
+    `reorder` and extends `select` so that its state follows the kept tokens.
+
+    A complete policy that keeps the tokens with the largest value norms::
+
+        @register_token_policy("vnorm")
+        class ValueNorm(TokenPolicy):
+            def score(self, layer_idx, keys, values, positions, attention=None, *, valid=None):
+                self._check(layer_idx, keys, values, positions, valid, attention)
+                return self._mask(values.float().norm(dim=-1).mean(dim=1), valid)
+
+    Args:
+        budget: tokens kept per sequence per layer (>= 1).
+    """
+
+    #: Registry name, set by `register_token_policy`.
+    name: ClassVar[str] = ""
+    #: True when `score` / `select` need the ``attention`` argument.
+    needs_attention: ClassVar[bool] = False
+
+    def __init__(self, budget: int) -> None:
+        self.budget = check_int("budget", budget, minimum=1)
+
+    def reset(self) -> None:
+        """Forget accumulated state (a new sequence, or the cache was cropped). No-op here."""
+
+    def reorder(self, batch_indices: Tensor) -> None:
+        """Follow a reordering of the batch rows (beam search): row ``i`` becomes the old row
+        ``batch_indices[i]``. No-op for stateless policies."""
+
+    @abc.abstractmethod
+    def score(self, layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor,
+              attention: Tensor | None = None, *, valid: Tensor | None = None) -> Tensor:
+        """Float ``[B, T]``: how much each stored token is worth keeping (higher = keep).
+
+        ``valid`` (optional, bool ``[B, T]``, default all True) lets a policy that reasons about
+        "the first" or "the most recent" tokens ignore padding; invalid slots score ``-inf``.
+        """
+
+    def select(self, layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor,
+               valid: Tensor, attention: Tensor | None = None) -> Tensor:
+        """The slots to keep: long ``[B, min(budget, T)]``, ascending and unique per row.
+
+        Invalid slots go first; then the lowest scores; equal scores drop the older token.
+        """
+        batch, _, length, _ = self._check(layer_idx, keys, values, positions, valid, attention)
+        scores = self.score(layer_idx, keys, values, positions, attention, valid=valid)
+        if not isinstance(scores, Tensor) or _shape(scores) != (batch, length):
+            got = _shape(scores) if isinstance(scores, Tensor) else type(scores).__name__
+            raise PolicyError(f"{type(self).__name__}.score returned {got}, "
+                              f"expected a tensor of shape {(batch, length)}")
+        scores = scores.float().nan_to_num(nan=-torch.inf)
+        order = _order(valid, [(scores, True), (positions, True)], newest_slot_first=True)
+        kept = min(self.budget, length)
+        return order[:, :kept].sort(dim=1).values
+
+    # -- validation, shared by subclasses --------------------------------------------------
+
+    def _check(self, layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor,
+               valid: Tensor | None, attention: Tensor | None) -> tuple[int, int, int, int]:
+        """Validate the arguments of `score` / `select`; return ``(B, Hkv, T, D)``."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ConfigError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
+        if not isinstance(keys, Tensor) or keys.dim() != 4 or not keys.is_floating_point():
+            raise ConfigError("keys must be a float tensor of shape [B, Hkv, T, D], got "
+                              f"{_describe(keys)}")
+        batch, heads, length, dim = keys.shape
+        if (not isinstance(values, Tensor) or values.dim() != 4
+                or _shape(values)[:3] != (batch, heads, length)):
+            raise ConfigError(f"values must have shape [B, Hkv, T, Dv] = [{batch}, {heads}, "
+                              f"{length}, Dv] like keys, got {_describe(values)}")
+        if (not isinstance(positions, Tensor) or _shape(positions) != (batch, length)
+                or positions.is_floating_point() or positions.dtype == torch.bool
+                or positions.is_complex()):
+            raise ConfigError(f"positions must be an integer tensor of shape [B, T] = "
+                              f"[{batch}, {length}], got {_describe(positions)}")
+        if valid is not None and (not isinstance(valid, Tensor) or valid.dtype != torch.bool
+                                  or _shape(valid) != (batch, length)):
+            raise ConfigError(f"valid must be a bool tensor of shape [B, T] = [{batch}, "
+                              f"{length}], got {_describe(valid)}")
+        if attention is None:
+            if self.needs_attention:
+                raise ConfigError(f"policy {self.name or type(self).__name__!r} needs "
+                                  "attention: pass the softmax probabilities [B, Hkv, Q, T] of "
+                                  "the last Q queries (eager attention)")
+        elif (not isinstance(attention, Tensor) or attention.dim() != 4
+              or not attention.is_floating_point()
+              or _shape(attention)[:2] != (batch, heads) or attention.shape[3] != length
+              or attention.shape[2] < 1):
+            raise ConfigError(f"attention must be a float tensor of shape [B, Hkv, Q, T] = "
+                              f"[{batch}, {heads}, Q>=1, {length}], got {_describe(attention)}")
+        return batch, heads, length, dim
+
+    @staticmethod
+    def _mask(scores: Tensor, valid: Tensor | None) -> Tensor:
+        """``scores`` with invalid slots set to ``-inf``."""
+        return scores if valid is None else scores.masked_fill(~valid, -torch.inf)
+
+    @staticmethod
+    def _all_valid(positions: Tensor, valid: Tensor | None) -> Tensor:
+        return torch.ones_like(positions, dtype=torch.bool) if valid is None else valid
+
+    def _params(self) -> dict[str, Any]:
+        return {}
+
+    def __repr__(self) -> str:
+        extra = "".join(f", {k}={v!r}" for k, v in self._params().items())
+        return f"{type(self).__name__}(budget={self.budget}{extra})"
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"{value.dtype} tensor of shape {list(value.shape)}"
+    return f"{type(value).__name__}"
+
+
+# -- registry ----------------------------------------------------------------------------------
+
+#: The registry of token policies (the same generic `kvevict.registry.Registry` as the
+#: residency policies').
+TOKEN_POLICIES: Registry[TokenPolicy] = Registry("token policy", TokenPolicy)
+
+
+def register_token_policy(name: str) -> Callable[[type], type]:
+    """Class decorator: make a token policy constructible as ``make_token_policy(name, ...)``."""
+    return TOKEN_POLICIES.register(name)
+
+
+def available_token_policies() -> list[str]:
+    """Names accepted by `make_token_policy`, sorted."""
+    return TOKEN_POLICIES.names()
+
+
+def make_token_policy(name: str | TokenPolicy, budget: int | None = None,
+                      **params: Any) -> TokenPolicy:
+    """Build a registered token policy, e.g. ``make_token_policy("snapkv", budget=256)``.
+
+    A `TokenPolicy` instance is returned as is (then ``budget`` and ``params`` must be absent).
+    """
+    if isinstance(name, TokenPolicy):
+        if budget is not None or params:
+            raise ConfigError("budget or parameters were given together with a policy instance")
+        return name
+    TOKEN_POLICIES.get(name)  # an unknown name is reported before a missing budget
+    if budget is None:
+        raise ConfigError(f"token policy {name!r} needs a budget (tokens kept per sequence "
+                          "per layer), e.g. budget=256")
+    return TOKEN_POLICIES.make(name, budget, **params)
+
+

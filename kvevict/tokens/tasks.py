@@ -1,0 +1,181 @@
+"""Synthetic long-context tasks whose answers depend on tokens far back: the judge's curriculum.
+
+Token eviction is judged by whether a model still answers correctly when most of its KV is gone.
+That needs a model whose answers *can* be wrong, and questions whose answer sits in a few tokens
+somewhere in a long context. These three task families are the usual probes (Zoology's MQAR,
+Arora et al. 2023; the needle-in-a-haystack test; RULER's variable tracking, Hsieh et al. 2024),
+written over a small closed vocabulary so that a tiny model trained here on CPU learns them:
+
+- ``recall`` (multi-query associative recall): key–value pairs scattered in filler, then
+  queries ``? key :`` answered by the pair's value;
+- ``needle``: one ``NEEDLE v v v`` record among distractor records with other markers; the
+  query ``? NEEDLE :`` is answered by the needle's three values;
+- ``vartrack`` (variable tracking): assignment chains ``VAR src dst`` (``dst = src``) from a
+  root value through three variables, with two distractor chains; the query ``? value :`` is
+  answered by the chain's variables in order.
+
+Every answer ends with ``EOS``. A `TaskItem` is a prompt (ending at ``ANSWER``) and its answer;
+`make_items` draws a seeded, reproducible list of them, and `training_batch` packs prompts with
+several queries for the training script (`benchmarks/train_judge.py`).
+
+Vocabulary (`VOCAB_SIZE` = 512): specials 0–17, keys and variable names 32–287, values 288–415,
+filler 416–511.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from kvevict.errors import ConfigError
+
+__all__ = [
+    "ANSWER",
+    "BOS",
+    "EOS",
+    "PAD",
+    "QUERY",
+    "TASKS",
+    "VOCAB_SIZE",
+    "TaskItem",
+    "make_items",
+    "training_batch",
+]
+
+PAD, BOS, EOS, QUERY, ANSWER = 0, 1, 2, 3, 4
+_TASK_MARK = {"recall": 5, "needle": 6, "vartrack": 7}
+NEEDLE = 8
+_DISTRACTORS = tuple(range(9, 16))
+VAR = 16
+_KEYS = (32, 288)
+_VALUES = (288, 416)
+_FILLER = (416, 512)
+VOCAB_SIZE = 512
+
+#: The task names, in the order the docs report them.
+TASKS: tuple[str, ...] = ("recall", "needle", "vartrack")
+
+_RECALL_PAIRS = 24
+_NEEDLE_DISTRACTORS = 12
+_CHAIN = 3
+_VT_CHAINS = 3
+
+
+@attrs.frozen
+class TaskItem:
+    """One question: ``prompt`` (ends with ``ANSWER``) and the expected ``answer`` (ends with
+    ``EOS``). ``evidence`` holds the prompt positions of the tokens the answer is read from."""
+
+    task: str
+    prompt: tuple[int, ...]
+    answer: tuple[int, ...]
+    evidence: tuple[int, ...]
+
+
+def _records(task: str, rng: np.random.Generator) -> tuple[list[list[int]], list[tuple]]:
+    """The task's records (token runs placed in the filler) and its questions
+    ``(query tokens, answer tokens, index of the record(s) holding the answer)``."""
+    if task == "recall":
+        keys = rng.choice(np.arange(*_KEYS), _RECALL_PAIRS, replace=False)
+        values = rng.integers(*_VALUES, size=_RECALL_PAIRS)
+        records = [[int(k), int(v)] for k, v in zip(keys, values, strict=True)]
+        questions = [([QUERY, int(keys[i])], [int(values[i]), EOS], (i,))
+                     for i in range(_RECALL_PAIRS)]
+        return records, questions
+    if task == "needle":
+        values = rng.integers(*_VALUES, size=(_NEEDLE_DISTRACTORS + 1, 3))
+        marks = rng.choice(_DISTRACTORS, _NEEDLE_DISTRACTORS)
+        records = [[NEEDLE, *map(int, values[0])]]
+        records += [[int(m), *map(int, v)] for m, v in zip(marks, values[1:], strict=True)]
+        return records, [([QUERY, NEEDLE], [*map(int, values[0]), EOS], (0,))]
+    if task == "vartrack":
+        names = rng.choice(np.arange(*_KEYS), _CHAIN * _VT_CHAINS, replace=False)
+        roots = rng.choice(np.arange(*_VALUES), _VT_CHAINS, replace=False)
+        records, questions = [], []
+        for c in range(_VT_CHAINS):
+            chain = [int(roots[c]), *map(int, names[c * _CHAIN:(c + 1) * _CHAIN])]
+            first = len(records)
+            records += [[VAR, chain[i], chain[i + 1]] for i in range(_CHAIN)]
+            questions.append(([QUERY, chain[0]], [*chain[1:], EOS],
+                              tuple(range(first, first + _CHAIN))))
+        return records, questions
+    raise ConfigError(f"unknown task {task!r}; expected one of {list(TASKS)}")
+
+
+def _context(task: str, length: int, rng: np.random.Generator
+             ) -> tuple[list[int], list[tuple], list[list[int]]]:
+    """A context of about ``length`` tokens: ``BOS``, the task mark, filler with the records at
+    random places (a chain's assignments in order). Returns the tokens, the questions and each
+    record's token positions."""
+    records, questions = _records(task, rng)
+    if task != "vartrack":
+        order = rng.permutation(len(records))
+    else:  # each chain's assignments stay in order; chains interleave
+        owner = np.repeat(np.arange(_VT_CHAINS), _CHAIN)
+        rng.shuffle(owner)
+        nxt = [c * _CHAIN for c in range(_VT_CHAINS)]
+        order = []
+        for c in owner:
+            order.append(nxt[c])
+            nxt[c] += 1
+    body = length - 2 - sum(len(r) for r in records)
+    if body < len(records):
+        raise ConfigError(f"context length {length} is too short for task {task!r}")
+    cuts = np.sort(rng.choice(np.arange(1, body), len(records), replace=False))
+    filler = rng.integers(*_FILLER, size=body)
+    tokens = [BOS, _TASK_MARK[task]]
+    where: list[list[int]] = [[] for _ in records]
+    start = 0
+    for cut, r in zip(cuts, order, strict=True):
+        tokens += map(int, filler[start:cut])
+        where[r] = list(range(len(tokens), len(tokens) + len(records[r])))
+        tokens += records[r]
+        start = int(cut)
+    tokens += map(int, filler[start:])
+    return tokens, questions, where
+
+
+def make_items(task: str, count: int, *, length: int = 1024, seed: int = 0) -> list[TaskItem]:
+    """``count`` reproducible questions of ``task``, each over its own context of ``length``
+    tokens (one question per context)."""
+    if task not in TASKS:
+        raise ConfigError(f"unknown task {task!r}; expected one of {list(TASKS)}")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(f"count must be an int >= 1, got {count!r}")
+    rng = np.random.default_rng([seed, TASKS.index(task), length])
+    items = []
+    for _ in range(count):
+        tokens, questions, where = _context(task, length, rng)
+        query, answer, held = questions[int(rng.integers(len(questions)))]
+        evidence = tuple(sorted(p for r in held for p in where[r]))
+        items.append(TaskItem(task, (*tokens, *query, ANSWER), tuple(answer), evidence))
+    return items
+
+
+def training_batch(tasks: Sequence[str], length: int, rng: np.random.Generator,
+                   *, queries: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence per entry of ``tasks``: a context of about ``length`` tokens, then
+    ``queries`` questions with their answers. Returns ``(ids, targets)``, int64 ``[B, T]``;
+    ``targets`` is -100 except where the next token is an answer token (the training loss)."""
+    rows = []
+    for task in tasks:
+        tokens, questions, _ = _context(task, length, rng)
+        target = [-100] * len(tokens)
+        picks = rng.choice(len(questions), min(queries, len(questions)), replace=False)
+        for q in picks:
+            query, answer, _ = questions[int(q)]
+            tokens += [*query, ANSWER]
+            target += [-100] * (len(query) + 1)
+            tokens += answer
+            target += list(answer)
+        rows.append((tokens, target))
+    width = max(len(t) for t, _ in rows)
+    ids = np.full((len(rows), width), PAD, dtype=np.int64)
+    targets = np.full((len(rows), width), -100, dtype=np.int64)
+    for i, (tokens, target) in enumerate(rows):
+        ids[i, :len(tokens)] = tokens
+        # the target at position t is the token at t + 1 when that token is an answer token
+        targets[i, :len(tokens) - 1] = target[1:]
+    return ids, targets
