@@ -485,7 +485,8 @@ def test_selection_properties(case):
 
 
 def test_registry():
-    assert available_token_policies() == ["h2o", "knorm", "snapkv", "streamingllm"]
+    assert available_token_policies() == ["h2o", "knorm", "kvp", "lkv_t", "snapkv",
+                                          "streamingllm", "tova"]
     policy = make_token_policy("snapkv", budget=64, window_size=8, kernel_size=7,
                                pooling="max")
     assert isinstance(policy, SnapKV) and policy.needs_attention

@@ -15,11 +15,21 @@ from kvevict.tokens.base import (
     register_token_policy,
 )
 from kvevict.tokens.heuristics import H2O, KeyNorm, SnapKV, StreamingLLM
+from kvevict.tokens.kvp import KVPolicy
+from kvevict.tokens.learned import KVScorer, LearnedTokenPolicy, ScorerShape
+from kvevict.tokens.lkv import LKVToken
+from kvevict.tokens.tova import TOVA
 
 __all__ = [
     "H2O",
     "TOKEN_POLICIES",
+    "TOVA",
+    "KVPolicy",
+    "KVScorer",
     "KeyNorm",
+    "LKVToken",
+    "LearnedTokenPolicy",
+    "ScorerShape",
     "SnapKV",
     "StreamingLLM",
     "TokenPolicy",

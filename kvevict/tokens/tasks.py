@@ -37,6 +37,7 @@ __all__ = [
     "EOS",
     "PAD",
     "QUERY",
+    "QUESTION_LENGTH",
     "TASKS",
     "VOCAB_SIZE",
     "TaskItem",
@@ -53,6 +54,8 @@ _KEYS = (32, 288)
 _VALUES = (288, 416)
 _FILLER = (416, 512)
 VOCAB_SIZE = 512
+#: Tokens of every question: ``QUERY``, the queried token, ``ANSWER``.
+QUESTION_LENGTH = 3
 
 #: The task names, in the order the docs report them.
 TASKS: tuple[str, ...] = ("recall", "needle", "vartrack")
@@ -72,6 +75,16 @@ class TaskItem:
     prompt: tuple[int, ...]
     answer: tuple[int, ...]
     evidence: tuple[int, ...]
+
+    @property
+    def context(self) -> tuple[int, ...]:
+        """The prompt without its question (the part a compressor sees before the question)."""
+        return self.prompt[:-QUESTION_LENGTH]
+
+    @property
+    def question(self) -> tuple[int, ...]:
+        """The question: ``QUERY``, the queried token, ``ANSWER``."""
+        return self.prompt[-QUESTION_LENGTH:]
 
 
 def _records(task: str, rng: np.random.Generator) -> tuple[list[list[int]], list[tuple]]:

@@ -1,0 +1,186 @@
+"""Accuracy vs KV bytes for every token policy on the judge, and decode cost per step.
+
+    python benchmarks/tokens_accuracy.py --seeds 0 1 2 --items 24 --out docs/img
+
+For each task of `kvevict.tokens.tasks`, each retention fraction of the context (50%, 25%, 15%,
+10%) and each policy, the judge's exact-match accuracy over ``--items`` held-out questions per
+evaluation seed (seeds 0.. are disjoint from the judge's and the learned policies' training
+items), through transformers' ``generate()`` with a kvevict ``PagedCache``
+(`kvevict.judge.judge_answers`). The mean and a 95% Student-t interval over the seeds are
+reported, and KV bytes next to the fraction. Writes ``tokens_accuracy.json`` and
+``tokens_accuracy.png`` under ``--out`` and prints the markdown table.
+
+``--decode`` instead times one decode step of each policy against transformers'
+``DynamicCache`` on the judge (same process, interleaved repetitions, median ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvevict.judge import JUDGE_DIR, budget_for, judge_accuracy, kv_bytes, load_judge
+from kvevict.stats import interval
+from kvevict.tokens import ScorerShape
+from kvevict.tokens.tasks import TASKS, make_items
+
+FRACTIONS = (0.5, 0.25, 0.15, 0.1)
+HEURISTICS = ("streamingllm", "knorm", "h2o", "snapkv", "tova")
+LEARNED = ("lkv_t", "kvp")
+
+
+def policy_params(name: str, model) -> dict:
+    if name in LEARNED:
+        return {"scorer": JUDGE_DIR / f"{name}.safetensors", "shape": ScorerShape.of(model)}
+    return {}
+
+
+def accuracy_grid(model, seeds, items_per_seed, policies, fractions, log=print) -> list[dict]:
+    rows = []
+    for task in TASKS:
+        sets = {s: make_items(task, items_per_seed, length=1024, seed=s) for s in seeds}
+        context = len(sets[seeds[0]][0].context)
+        full = [judge_accuracy(model, sets[s], None) for s in seeds]
+        rows.append({"task": task, "policy": "full", "fraction": 1.0,
+                     "bytes": kv_bytes(model, context), "per_seed": full})
+        log(f"{task} full {full}")
+        for name in policies:
+            for fraction in fractions:
+                acc = [judge_accuracy(model, sets[s], name, fraction=fraction,
+                                      **policy_params(name, model)) for s in seeds]
+                rows.append({"task": task, "policy": name, "fraction": fraction,
+                             "bytes": kv_bytes(model, budget_for(fraction, context)),
+                             "per_seed": acc})
+                log(f"{task} {name} {fraction} {acc}")
+    for r in rows:
+        iv = interval(r["per_seed"])
+        r["mean"], r["low"], r["high"] = iv.mean, iv.low, iv.high
+    return rows
+
+
+def table(rows, fractions) -> str:
+    policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))
+    lines = []
+    for task in TASKS:
+        full = next(r for r in rows if r["task"] == task and r["policy"] == "full")
+        lines.append(f"\n**{task}** (full cache: {100 * full['mean']:.1f}%, "
+                     f"{full['bytes'] / 1024:.0f} KiB)\n")
+        kib = {f: next(r["bytes"] for r in rows if r["fraction"] == f) / 1024
+               for f in fractions}
+        head = " | ".join(f"{round(100 * f)}% ({kib[f]:.0f} KiB)" for f in fractions)
+        lines += [f"| policy | {head} |", "|---" * (len(fractions) + 1) + "|"]
+        for p in policies:
+            cells = []
+            for f in fractions:
+                r = next(r for r in rows if r["task"] == task and r["policy"] == p
+                         and r["fraction"] == f)
+                half = (r["high"] - r["low"]) / 2
+                cells.append(f"{100 * r['mean']:.1f} ± {100 * half:.1f}")
+            lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    avg = ["\n**Mean over the three tasks at 15%**\n", "| policy | accuracy |", "|---|---|"]
+    for p in ["full", *policies]:
+        sel = [r["mean"] for r in rows if r["policy"] == p
+               and (r["fraction"] == 0.15 or p == "full")]
+        avg.append(f"| {p} | {100 * statistics.fmean(sel):.1f} |")
+    return "\n".join(lines + avg)
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))
+    fig, axes = plt.subplots(1, len(TASKS), figsize=(4.2 * len(TASKS), 3.6), sharey=True)
+    for ax, task in zip(axes, TASKS, strict=True):
+        full = next(r for r in rows if r["task"] == task and r["policy"] == "full")
+        ax.axhline(100 * full["mean"], color="black", lw=1, ls="--", label="full cache")
+        for p in policies:
+            rs = sorted((r for r in rows if r["task"] == task and r["policy"] == p),
+                        key=lambda r: r["bytes"])
+            x = [r["bytes"] / 1024 for r in rs]
+            y = [100 * r["mean"] for r in rs]
+            err = [[100 * (r["mean"] - r["low"]) for r in rs],
+                   [100 * (r["high"] - r["mean"]) for r in rs]]
+            style = "-o" if p in LEARNED else "--s"
+            ax.errorbar(x, y, yerr=err, fmt=style, ms=4, capsize=2, label=p)
+        ax.set_xscale("log")
+        ax.set_title(task)
+        ax.set_xlabel("KV kept (KiB, all layers)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("exact match (%)")
+    axes[-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle("Judge accuracy vs KV bytes (mean and 95% CI over evaluation seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+@torch.no_grad()
+def decode_cost(model, policies, fraction: float = 0.15, reps: int = 30) -> dict[str, float]:
+    """Median time of one decode step under each policy / under a DynamicCache."""
+    from transformers import DynamicCache
+
+    from kvevict.adapters.hf import PagedCache
+    from kvevict.tokens import make_token_policy
+
+    item = make_items("needle", 1, length=1024, seed=0)[0]
+    ctx = torch.tensor([item.prompt])
+    step_ids = torch.tensor([[item.answer[0]]])
+
+    def timed(make_cache) -> float:
+        cache = make_cache()
+        model(input_ids=ctx, cache=cache, use_cache=True)
+        model(input_ids=step_ids, cache=cache, use_cache=True)  # warm
+        t = time.perf_counter()
+        model(input_ids=step_ids, cache=cache, use_cache=True)
+        return time.perf_counter() - t
+
+    makers = {"dynamic": lambda: DynamicCache(config=model.config),
+              "paged (no policy)": lambda: PagedCache(model)}
+    budget = budget_for(fraction, len(item.prompt))
+    for name in policies:
+        makers[name] = (lambda n=name: PagedCache(model, token_policy=make_token_policy(
+            n, budget=budget, **policy_params(n, model))))
+    samples: dict[str, list[float]] = {k: [] for k in makers}
+    for _ in range(reps):
+        for k, make in makers.items():
+            samples[k].append(timed(make))
+    base = statistics.median(samples["dynamic"])
+    return {k: statistics.median(v) / base for k, v in samples.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--items", type=int, default=24)
+    ap.add_argument("--policies", nargs="+", default=[*HEURISTICS, *LEARNED])
+    ap.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
+    ap.add_argument("--out", type=Path, default=Path("docs/img"))
+    ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = load_judge()
+    if args.decode:
+        ratios = decode_cost(model, args.policies)
+        print("| cache | decode step / DynamicCache step |\n|---|---|")
+        for k, v in ratios.items():
+            print(f"| {k} | {v:.2f}x |")
+        (args.out / "tokens_decode.json").write_text(json.dumps(ratios, indent=1) + "\n")
+        return 0
+    rows = accuracy_grid(model, args.seeds, args.items, args.policies, args.fractions)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tokens_accuracy.json").write_text(json.dumps(rows, indent=1) + "\n")
+    plot(rows, args.out / "tokens_accuracy.png")
+    print(table(rows, args.fractions))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Train the learned token policies (LKV-T, KVP) on the shipped judge; save them beside it.
+
+    python benchmarks/train_token_policies.py --seed 0
+
+Both train on fresh items of the three tasks (seeds disjoint from every evaluation set) with the
+judge frozen, and write ``lkv_t.safetensors`` and ``kvp.safetensors`` into the judge's folder,
+plus ``TOKEN_POLICIES.json`` (command, seed, wall time per method, SHA-256 of each file).
+
+- LKV-T (`kvevict.tokens.lkv`): end to end through the judge's answer loss, with a
+  straight-through top-k gate on the context keys at a retention drawn per step.
+- KVP (`kvevict.tokens.kvp`): REINFORCE on full-cache generation traces
+  (`kvevict.judge.judge_traces`), rewarded by the future attention a ranking keeps at every
+  budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvevict.judge import JUDGE_DIR, gated_logits, judge_traces, load_judge
+from kvevict.tokens.kvp import train_kvp
+from kvevict.tokens.learned import ScorerShape, save_scorer
+from kvevict.tokens.lkv import train_lkv_t
+from kvevict.tokens.tasks import TASKS, make_items
+
+TRAIN_SEED = 30_000  # item seeds: disjoint from the judge's (10k, 20k) and the docs' (0..9)
+
+
+def lkv_batches(items, batch: int):
+    """``(ids, targets, context)`` per batch: prompt + answer teacher-forced, loss on answers."""
+    out = []
+    for i in range(0, len(items), batch):
+        chunk = items[i:i + batch]
+        ids = torch.tensor([(*it.prompt, *it.answer[:-1]) for it in chunk])
+        targets = torch.full_like(ids, -100)
+        start = len(chunk[0].prompt) - 1
+        targets[:, start:] = torch.tensor([it.answer for it in chunk])
+        out.append((ids, targets, len(chunk[0].context)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--judge", type=Path, default=JUDGE_DIR)
+    ap.add_argument("--items", type=int, default=96, help="training items per task")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = load_judge(args.judge)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    shape = ScorerShape.of(model)
+    items = []
+    for t in TASKS:  # interleaved so every batch of one task shares its lengths
+        items += make_items(t, args.items, length=1024, seed=TRAIN_SEED + args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    batches = lkv_batches(items, args.batch)
+    order = torch.randperm(len(batches), generator=generator).tolist()
+    batches = [batches[i] for i in order]
+    report = {"command": "python benchmarks/train_token_policies.py "
+              + " ".join(sys.argv[1:] if argv is None else argv), "seed": args.seed,
+              "items_per_task": args.items, "threads": args.threads}
+
+    start = time.perf_counter()
+    lkv = train_lkv_t(lambda ids, gate: gated_logits(model, ids, gate), batches, shape,
+                      epochs=args.epochs, seed=args.seed, log=lambda m: print(m, flush=True))
+    report["lkv_t_seconds"] = round(time.perf_counter() - start)
+    save_scorer(lkv, args.judge / "lkv_t.safetensors", method="lkv_t")
+
+    start = time.perf_counter()
+    traces = [tr for t in TASKS  # one task per batch: its items share their lengths
+              for tr in judge_traces(model, [it for it in items if it.task == t],
+                                     batch=args.batch)]
+    traces = [traces[i] for i in torch.randperm(len(traces), generator=generator).tolist()]
+    kvp = train_kvp(traces, shape, epochs=args.epochs + 1, seed=args.seed,
+                    log=lambda m: print(m, flush=True))
+    report["kvp_seconds"] = round(time.perf_counter() - start)
+    save_scorer(kvp, args.judge / "kvp.safetensors", method="kvp")
+
+    for name in ("lkv_t", "kvp"):
+        data = (args.judge / f"{name}.safetensors").read_bytes()
+        report[f"{name}_sha256"] = hashlib.sha256(data).hexdigest()
+    (args.judge / "TOKEN_POLICIES.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
