@@ -493,7 +493,7 @@ def test_registry():
     assert repr(policy) == "SnapKV(budget=64, window_size=8, kernel_size=7, pooling='max')"
     assert make_token_policy(policy) is policy
     assert not StreamingLLM(8).needs_attention and H2O(8).n_recent == 4
-    with pytest.raises(ConfigError, match="valid names: h2o, knorm, snapkv, streamingllm"):
+    with pytest.raises(ConfigError, match="valid names: h2o, knorm, kvp, lkv_t, snapkv, streamingllm, tova"):
         make_token_policy("lru", budget=4)
     with pytest.raises(ConfigError, match=r"no parameter.*window.*accepts: budget, n_sink"):
         make_token_policy("streamingllm", budget=8, window=3)
