@@ -34,10 +34,10 @@ finite value) are refused.
 
 **The bound.** Each group's stored values are chosen so that rounding them to float16 cannot
 break min-max coverage: ``z`` is the group minimum rounded *down* to float16 and ``s`` is
-``(max - z) / (2**bits - 1)`` rounded *up* to float16 (then raised one float16 step at a time
-until ``z + (2**bits - 1) * s >= max`` holds exactly). Every element then lies in
-``[z, z + (2**bits - 1) * s]``, no code is clamped, and rounding to the nearest code gives, for
-every element ``x`` with its group's stored ``s``:
+``(max - z) / (2**bits - 1)`` rounded *up* to float16: exactly, the smallest float16 with
+``z + (2**bits - 1) * s >= max`` (checked in float64, where that product and sum are exact).
+Every element then lies in ``[z, z + (2**bits - 1) * s]``, no code is clamped, and rounding to
+the nearest code gives, for every element ``x`` with its group's stored ``s``:
 
     |x - (code * s + z)| <= s / 2 * (1 + 2**-40)
 
@@ -94,7 +94,7 @@ FP16_MAX = 65504.0
 #: Bytes of one group's metadata: a float16 scale and a float16 zero point.
 META_BYTES = 4
 
-_CHECK_STEPS = 4  # float16 steps the scale may need after rounding up (one suffices in practice)
+_CHECK_STEPS = 4  # float16 steps the rounded-up scale may be off by (one at most in practice)
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -324,12 +324,20 @@ def quantize(x: Tensor, bits: int, *, axis: str = "token",
     levels = (1 << bits) - 1
     zero = _fp16_down(low)
     scale = _fp16_up((high - zero.double()) / levels)
+    # make ``scale`` the smallest float16 with ``zero + levels * scale >= high``: the division
+    # above is rounded, the comparisons are exact in float64 (8-bit times 11-bit products)
     for _ in range(_CHECK_STEPS):
-        short = zero.double() + levels * scale.double() < high  # exact in float64
+        short = zero.double() + levels * scale.double() < high
         if not bool(short.any()):
             break
         scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, math.inf)),
                             scale)
+    for _ in range(_CHECK_STEPS):
+        lower = torch.nextafter(scale, torch.zeros_like(scale))
+        spare = (scale > 0) & (zero.double() + levels * lower.double() >= high)
+        if not bool(spare.any()):
+            break
+        scale = torch.where(spare, lower, scale)
     s = scale.double().unsqueeze(-1)
     z = zero.double().unsqueeze(-1)
     steps = torch.where(s > 0, (grouped - z) / torch.where(s > 0, s, 1.0), 0.0)
@@ -406,7 +414,8 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def kv_bytes(layout: KVLayout | tuple[int, int, torch.dtype | str], tokens: int,
              key_bits: int | None = None, value_bits: int | None = None, *,
-             group_size: int | None = None, key_axis: str = "channel",
+             group_size: int | None = None, key_group_size: int | None = None,
+             value_group_size: int | None = None, key_axis: str = "channel",
              value_axis: str = "token", batch: int = 1) -> int:
     """Bytes one layer's K and V take for ``tokens`` tokens of ``batch`` sequences.
 
@@ -416,6 +425,9 @@ def kv_bytes(layout: KVLayout | tuple[int, int, torch.dtype | str], tokens: int,
         tokens: cached tokens per sequence (after eviction), >= 0.
         key_bits, value_bits: 2, 4 or 8, or None for unquantized (the layout's dtype).
         group_size: `quantize`'s group size for both planes (None: the whole grouped axis).
+        key_group_size, value_group_size: a group size for one plane, replacing
+            ``group_size`` there (keys group along tokens, values along channels by default,
+            so one size rarely divides both).
         key_axis, value_axis: the grouping axes; default KIVI's (keys per channel, values per
             token).
         batch: sequences.
@@ -448,6 +460,8 @@ def kv_bytes(layout: KVLayout | tuple[int, int, torch.dtype | str], tokens: int,
     shape = (batch, heads, tokens, dim)
     if tokens == 0:
         return 0
-    return (plane_bytes(shape, key_bits, axis=key_axis, group_size=group_size, dtype=dtype)
-            + plane_bytes(shape, value_bits, axis=value_axis, group_size=group_size,
+    key_group = group_size if key_group_size is None else key_group_size
+    value_group = group_size if value_group_size is None else value_group_size
+    return (plane_bytes(shape, key_bits, axis=key_axis, group_size=key_group, dtype=dtype)
+            + plane_bytes(shape, value_bits, axis=value_axis, group_size=value_group,
                           dtype=dtype))
