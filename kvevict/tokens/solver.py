@@ -30,8 +30,8 @@ between the cheapest and the most expensive routing (``agreement(2000)`` in
 | independent uniform [0, 1)  | 1906 (95.3%)      | 1149 (57.5%)    | 187 of 1524 (12.3%) |
 | falling with the cost       | 1568 (78.4%)      | 913 (45.7%)     | 155 of 1524 (10.2%) |
 
-The refined routing is never above the uniform one (by construction) and the plain descent
-alone often is, mostly because its last move overshoots the budget and leaves bytes unused.
+The refined routing is never above the uniform one (by construction); the plain descent can
+stop well under the budget when its last move overshoots it (``test_refinement_*``).
 The test asserts what always holds (within budget, never below the optimum, refined never
 above uniform) and these counts on 200 tables as golden numbers.
 
