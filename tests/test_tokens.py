@@ -13,6 +13,8 @@ from kvevict.errors import ConfigError, PolicyError
 from kvevict.tokens import (
     H2O,
     KeyNorm,
+    KVScorer,
+    ScorerShape,
     SnapKV,
     StreamingLLM,
     TokenPolicy,
@@ -493,7 +495,8 @@ def test_registry():
     assert repr(policy) == "SnapKV(budget=64, window_size=8, kernel_size=7, pooling='max')"
     assert make_token_policy(policy) is policy
     assert not StreamingLLM(8).needs_attention and H2O(8).n_recent == 4
-    with pytest.raises(ConfigError, match="valid names: h2o, knorm, kvp, lkv_t, snapkv, streamingllm, tova"):
+    with pytest.raises(ConfigError, match="valid names: h2o, knorm, kvp, lkv_t, snapkv, "
+                                          "streamingllm, tova"):
         make_token_policy("lru", budget=4)
     with pytest.raises(ConfigError, match=r"no parameter.*window.*accepts: budget, n_sink"):
         make_token_policy("streamingllm", budget=8, window=3)
@@ -600,8 +603,10 @@ def test_h2o_state_mismatch_errors():
 
 def test_empty_cache():
     keys, values, positions, valid, attn = inputs(2, 1, 0, queries=1)
+    scorer = {"scorer": KVScorer(ScorerShape(layers=1, kv_heads=1, key_dim=4, value_dim=4))}
     for name in available_token_policies():
         policy = make_token_policy(name, budget=4, **({"window_size": 2}
                                                        if name == "snapkv" else {"n_sink": 1}
-                                                       if name == "streamingllm" else {}))
+                                                       if name == "streamingllm" else scorer
+                                                       if name in ("kvp", "lkv_t") else {}))
         assert policy.select(0, keys, values, positions, valid, attn).shape == (2, 0)
