@@ -73,10 +73,12 @@ def _check_sequences(manager: KVCacheManager) -> list[int]:
             if table or cached:
                 _fail(f"{seq.status} sequence {seq.seq_id!r} still holds blocks")
             continue
-        expected = -(-seq.num_tokens // bs)
+        expected = -(-seq.num_slots // bs)  # token eviction may have dropped some tokens
         if len(table) != expected:
-            _fail(f"sequence {seq.seq_id!r} holds {len(table)} blocks for {seq.num_tokens} "
-                  "tokens")
+            _fail(f"sequence {seq.seq_id!r} holds {len(table)} blocks for {seq.num_slots} "
+                  "token slots")
+        if seq.num_dropped and seq.cacheable:
+            _fail(f"sequence {seq.seq_id!r} dropped tokens but is cacheable")
         if len(set(table)) != len(table):
             _fail(f"sequence {seq.seq_id!r} lists a block twice")
         if len(cached) > min(len(table), len(seq.hashes)):

@@ -14,6 +14,10 @@ chained hash, child counts, the candidate set), `Pins` (explicit retention) and 
 - ``pin(prefix, until)`` / ``unpin(prefix)``: explicit retention, honoured for every policy:
   a pinned candidate is evicted only when no other candidate exists.
 - ``lookup(tokens)``: the cached prefix length, no side effects.
+- ``compact(seq_id, num_slots)``: token eviction (the engine's ``token_policy``) kept only
+  ``num_slots`` of an uncacheable sequence's token slots: the blocks past them go back to the
+  pool. A request the ``uncacheable`` predicate names neither hits nor caches blocks, because
+  its blocks will stop holding the tokens their hashes name.
 - ``stats`` and ``check()`` (every invariant, see `kvevict.invariants`; it holds after any
   exception).
 
@@ -121,12 +125,18 @@ class Sequence:
     once at `KVCacheManager.begin`) followed by ``generated_tokens`` (appended ids, a list):
     the prompt is never turned into a Python list, and a cached block's ``tokens`` are a
     read-only view of one array copied per caching call (see `KVCacheManager`).
+
+    Token eviction: a sequence begun by a request the manager's ``uncacheable`` predicate
+    names has ``cacheable`` False: it neither hits nor caches blocks. `KVCacheManager.compact`
+    can then drop tokens from it: ``num_dropped`` tokens of its ``num_tokens`` hold no slot any
+    more, and the block table covers ``num_slots = num_tokens - num_dropped`` slots.
     Read it; only the manager changes it.
     """
 
     __slots__ = ("seq_id", "request", "block_table", "cached_blocks", "hashes",
                  "prompt_tokens", "generated_tokens", "num_tokens", "num_cached_tokens",
-                 "num_hit_slots", "prompt_slots", "num_generated", "status", "reloaded")
+                 "num_hit_slots", "prompt_slots", "num_generated", "status", "reloaded",
+                 "cacheable", "num_dropped")
 
     def __init__(self, request: Request, hashes: Any, prompt_slots: int) -> None:
         self.seq_id = request.request_id
@@ -157,6 +167,11 @@ class Sequence:
         #: blocks the last begin / resume reloaded from each lower tier (tier 1 first);
         #: () when none was (see `kvevict.tiers`)
         self.reloaded: tuple[int, ...] = ()
+        #: False for a request the manager's ``uncacheable`` predicate names: no hits, no
+        #: cached blocks (token eviction rewrites its blocks, see `KVCacheManager.compact`)
+        self.cacheable = True
+        #: tokens token eviction dropped since the last begin / resume (they hold no slot)
+        self.num_dropped = 0
 
     @property
     def session_id(self) -> Any:
@@ -166,6 +181,11 @@ class Sequence:
     def num_known(self) -> int:
         """Token slots known so far: the prompt's plus every appended token."""
         return self.prompt_slots + self.num_generated
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots the block table covers: ``num_tokens`` less the dropped ones."""
+        return self.num_tokens - self.num_dropped
 
     @property
     def num_pending(self) -> int:
@@ -222,11 +242,16 @@ class KVCacheManager:
         tiers: memory tiers below the pool (`kvevict.tiers.TierStack`): an evicted block is
             demoted there (or dropped), a hit there is reloaded. A policy given by name that
             takes a ``cost_model`` prices blocks with the stack's reload costs.
+        uncacheable: called with each request at `begin`; a request it returns True for
+            neither hits cached blocks nor caches its own (``Sequence.cacheable`` is False),
+            so that token eviction may rewrite its blocks (`compact`). None: every request is
+            cacheable.
     """
 
     def __init__(self, pool: BlockPool, policy: Policy | str = "lru", *,
                  clock: Callable[[], float] | None = None, extra_key: Any = None,
                  admission: Admission | None = None, tiers: TierStack | None = None,
+                 uncacheable: Callable[[Request], bool] | None = None,
                  **policy_params: Any) -> None:
         if not isinstance(pool, BlockPool):
             raise ConfigError(f"pool must be a BlockPool, got {type(pool).__name__}")
@@ -249,6 +274,10 @@ class KVCacheManager:
         if admission is not None and not isinstance(admission, Admission):
             raise ConfigError(f"admission must be an Admission, got {type(admission).__name__}")
         self.admission: Admission = admission if admission is not None else AlwaysAdmit()
+        if uncacheable is not None and not callable(uncacheable):
+            raise ConfigError("uncacheable must be None or a callable(request) -> bool")
+        #: the predicate naming the requests that neither hit nor cache (None: none)
+        self.uncacheable = uncacheable
         self.tree = PrefixTree()
         self.pins = Pins()
         self.stats = CacheStats()
@@ -408,6 +437,8 @@ class KVCacheManager:
             seq = Sequence(request, None, prompt_len)
             seq.hashes = chain_hashes(seq.prompt_tokens, self.block_size,  # type: ignore
                                       self._extra)
+        if self.uncacheable is not None:
+            seq.cacheable = not self.uncacheable(request)
         self._start(seq, max_new_tokens, prompt_len, begin=True)
         self._seqs[seq.seq_id] = seq
         return seq
@@ -435,9 +466,11 @@ class KVCacheManager:
         more; ``query_tokens`` count as prefix-cache queries."""
         bs = self.block_size
         hashes = seq.hashes
-        hit, unreferenced = self.tree.match(hashes, seq.seq_id)
+        seq.num_dropped = 0
+        hit, unreferenced = self.tree.match(hashes, seq.seq_id) if seq.cacheable else ([], 0)
         num_hit = len(hit)  # ``hit`` becomes the sequence's list of cached blocks and grows
-        lower = () if self.tiers is None else self._match_lower(seq, hashes, num_hit)
+        lower = () if self.tiers is None or not seq.cacheable else \
+            self._match_lower(seq, hashes, num_hit)
         num_lower = len(lower)  # the chain's continuation in lower tiers, to reload
         known = seq.num_known
         hit_tokens = min((num_hit + num_lower) * bs, known)
@@ -636,8 +669,9 @@ class KVCacheManager:
                               "to prefill; call prefill() before appending")
         target = seq.num_tokens + n
         bs = self.block_size
-        if (-(-target // bs) <= len(seq.block_table)
-                and (new_tokens is None or target // bs <= len(seq.cached_blocks))):
+        if (-(-(target - seq.num_dropped) // bs) <= len(seq.block_table)
+                and (new_tokens is None or not seq.cacheable
+                     or target // bs <= len(seq.cached_blocks))):
             # the decode loop's common case: no new block, none becomes full and cacheable
             seq.num_generated += n
             if new_tokens is not None:
@@ -649,7 +683,7 @@ class KVCacheManager:
     def _grow(self, seq: Sequence, target: int, new_tokens: list[int] | None,
               created_by: str) -> list[int]:
         bs = self.block_size
-        need = -(-target // bs) - len(seq.block_table)
+        need = -(-(target - seq.num_dropped) // bs) - len(seq.block_table)
         pool = self.pool
         available = pool.num_free + self.tree.num_evictable
         if need > available:
@@ -705,12 +739,12 @@ class KVCacheManager:
         enough), then cache every block of the chain that became full."""
         pool = self.pool
         bs = self.block_size
-        need = -(-target // bs) - len(seq.block_table)
+        need = -(-(target - seq.num_dropped) // bs) - len(seq.block_table)
         if need > 0:
             seq.block_table.extend(pool.take(need))
             self.stats.allocated_blocks += need
         seq.num_tokens = target
-        end = min(len(seq.hashes), target // bs)
+        end = min(len(seq.hashes), target // bs) if seq.cacheable else 0
         if len(seq.cached_blocks) < end:
             self._cache(seq, end, now, created_by)
         used = pool.num_used
@@ -797,6 +831,43 @@ class KVCacheManager:
         seq.cached_blocks.append(existing)
         self.pool.decref_all((private,))
         self.pool.release([private])
+
+    # -- token eviction --------------------------------------------------------------------
+
+    def compact(self, seq_id: Any, num_slots: int) -> list[int]:
+        """Token eviction kept ``num_slots`` of a running uncacheable sequence's slots, moved
+        into its first slots by the caller: release the blocks past them, tail first, and
+        count the dropped tokens (``Sequence.num_dropped``). ``num_tokens``, the logical
+        length, is unchanged, and later appends fill the slots after the kept ones.
+
+        Returns the released block ids. Raises `ConfigError` (nothing changed) for a
+        sequence that is not running, a cacheable one (its blocks are or may become
+        prefix-cache hits, so their contents must stay what their hashes name: build the
+        manager with an ``uncacheable`` predicate naming it), or ``num_slots`` outside
+        ``[0, num_slots now]``.
+        """
+        seq = self.sequence(seq_id)
+        if seq.status != "running":
+            raise ConfigError(f"sequence {seq_id!r} is {seq.status}; only a running sequence "
+                              "can be compacted")
+        if seq.cacheable:
+            raise ConfigError(f"sequence {seq_id!r} is cacheable: its blocks may be shared as "
+                              "prefix-cache hits and must keep the tokens their hashes name; "
+                              "build the manager with uncacheable= naming the requests token "
+                              "eviction compacts")
+        slots = seq.num_slots
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or \
+                not 0 <= num_slots <= slots:
+            raise ConfigError(f"num_slots must be an int in [0, {slots}] (the slots sequence "
+                              f"{seq_id!r} holds), got {num_slots!r}")
+        keep = -(-num_slots // self.block_size)
+        freed = seq.block_table[keep:]
+        if freed:
+            del seq.block_table[keep:]
+            self.pool.decref_all(freed)
+            self.pool.release(freed[::-1])
+        seq.num_dropped += slots - num_slots
+        return freed
 
     # -- release ---------------------------------------------------------------------------
 

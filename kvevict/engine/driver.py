@@ -15,6 +15,12 @@ demoted below the pool instead of lost, and a request whose prefix continues the
 reload is real work on the engine's clock: it happens while the scheduler admits the request,
 between two steps, so its measured seconds are charged to the next step like the rest of the
 cache management. `EngineResult.tiers` reports what moved (`kvevict.engine.tiers.tier_report`).
+
+With ``token_policy`` (a `kvevict.tokens` name or `TokenPolicy`, ``token_budget``,
+``token_params``) every sequence keeps at most ``token_budget`` tokens per layer
+(`kvevict.engine.tokens`); the manager is built with the executor's ``uncacheable``
+predicate, so a request that may be cut neither hits nor caches blocks.
+`EngineResult.token_positions` holds what each request kept.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from kvevict.pool import BlockPool
 from kvevict.run import RequestRecord, SimResult, collect, drive
 from kvevict.scheduler import Scheduler, SchedulerConfig
 from kvevict.tiers import TierPricedCost, TierStack
+from kvevict.tokens import TokenPolicy
 from kvevict.types import ManualClock, Request
 
 __all__ = ["EngineResult", "default_policy_params", "in_engine_seconds", "run_engine",
@@ -151,6 +158,9 @@ class EngineResult:
     kv: dict[str, Any]  #: `kv_placement`
     #: what the tiers below the pool did (`kvevict.engine.tiers.tier_report`); None without
     tiers: dict[str, Any] | None = None
+    #: token eviction: request id -> per layer, the original positions of the tokens it
+    #: stored after its last forward; None without a token policy
+    token_positions: dict[Any, tuple[tuple[int, ...], ...]] | None = None
 
     @property
     def policy(self) -> str:
@@ -229,7 +239,10 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
                policy_params: dict[str, Any] | None = None, teacher_forcing: bool = True,
                check: bool = False, on_step: Callable[[Scheduler], None] | None = None,
                timer: Callable[[], float] = time.perf_counter,
-               tiers: TierStack | None = None) -> EngineResult:
+               tiers: TierStack | None = None,
+               token_policy: str | TokenPolicy | None = None,
+               token_budget: int | None = None,
+               token_params: dict[str, Any] | None = None) -> EngineResult:
     """Replay ``requests`` through the scheduler, the manager and the real model.
 
     Args:
@@ -255,6 +268,9 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
             run (a stack serves one pool); its cost model, which decides what is worth
             demoting, is in engine seconds. A named policy that takes a cost model prices
             blocks with `tier_priced_cost`.
+        token_policy, token_budget, token_params: token eviction, as `EngineExecutor` takes
+            them (see the module docstring); the engine dict then counts
+            ``token_compactions``, ``token_dropped`` and ``token_freed_blocks``.
     """
     if not isinstance(model, LlamaModel):
         raise ConfigError(f"model must be a LlamaModel, got {type(model).__name__}")
@@ -267,11 +283,14 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
                          float(time_scale), pool.bytes_per_block)
     name = policy if isinstance(policy, str) else type(policy).__name__.lower()
     clock = ManualClock()
-    manager = KVCacheManager(pool, policy_obj, clock=clock, tiers=tiers)
     executor = EngineExecutor(model, pool, clock, time_scale=time_scale,
                               teacher_forcing=teacher_forcing, check_tokens=check,
                               timer=timer,
-                              cost=None if cost is None else cost.scaled(1 / time_scale))
+                              cost=None if cost is None else cost.scaled(1 / time_scale),
+                              token_policy=token_policy, token_budget=token_budget,
+                              token_params=token_params)
+    manager = KVCacheManager(pool, policy_obj, clock=clock, tiers=tiers,
+                             uncacheable=executor.uncacheable)
     scheduler = Scheduler(manager, executor, config or SchedulerConfig())
     cuda = pool.device is not None and pool.device.type == "cuda"
     if cuda:
@@ -313,6 +332,11 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
             sum(r.output_tokens for r in sim.records) / executor.busy_seconds, 3)
         if executor.busy_seconds > 0 else 0.0,
     }
+    tokens = executor.tokens
+    if tokens is not None:
+        engine.update(token_policy=repr(tokens.policy), token_budget=tokens.budget,
+                      token_compactions=tokens.compactions, token_dropped=tokens.dropped_tokens,
+                      token_freed_blocks=tokens.freed_blocks)
     return EngineResult(
         sim=in_engine_seconds(sim, executor.time_scale), time_scale=executor.time_scale,
         answers={k: tuple(v) for k, v in executor.answers.items()},
@@ -321,4 +345,5 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
         engine_prefill_tokens=dict(executor.engine_prefill_tokens), engine=engine,
         memory=memory, kv=kv_placement(pool, model),
         tiers=None if tiers is None else tier_report(tiers, manager.stats.block_hits),
+        token_positions=None if tokens is None else tokens.all_kept_positions(),
     )

@@ -36,6 +36,13 @@ times (their horizons and decay rates are in human seconds). Latencies in engine
 clock differences divided by ``time_scale`` (`kvevict.engine.driver.EngineResult` reports
 them so).
 
+**Token eviction** (``token_policy``, `kvevict.engine.tokens`): after each forward, a
+`kvevict.tokens.TokenPolicy` keeps ``token_budget`` tokens of every sequence per layer; the
+kept K/V move to the sequence's first slots and the manager takes back the blocks past them
+(`KVCacheManager.compact`). A request that may be cut is begun uncacheable: build the manager
+with ``uncacheable=executor.uncacheable``. Token eviction is lossy: the answers are the
+model's under that policy, not the full cache's.
+
 `kvevict.engine.driver.run_engine` drives a list of requests through scheduler + manager +
 this executor with the shared run loop (`kvevict.run`), as the simulator does with the cost
 model; `kvevict.engine.answers` checks the answers of two runs against each other.
@@ -54,12 +61,14 @@ import torch
 
 from kvevict.cost import CostModel
 from kvevict.engine.model import LlamaModel
+from kvevict.engine.tokens import TokenEviction
 from kvevict.errors import ConfigError, KVEvictError
 from kvevict.manager import KVCacheManager
 from kvevict.pool import BlockPool
 from kvevict.run import CostModelExecutor
 from kvevict.scheduler import Executor, RequestState, StepOutput, StepPlan
-from kvevict.types import BlockInfo, ManualClock
+from kvevict.tokens import TokenPolicy
+from kvevict.types import BlockInfo, ManualClock, Request
 
 __all__ = ["EngineExecutor", "check_time_scale"]
 
@@ -83,13 +92,18 @@ class _Work:
     samples: bool
     kind: str  # "prefill" | "decode"
     first: int = -1  # the planned start
+    #: False for an uncacheable sequence (token eviction): no block of it is shared, and its
+    #: table no longer follows positions once tokens were dropped
+    cacheable: bool = True
 
     def __attrs_post_init__(self) -> None:
         self.first = self.start
+        self.cacheable = self.state.seq is None or self.state.seq.cacheable
 
     def written(self, block_size: int) -> range:
-        """Indices (in ``table``) of the blocks this work writes."""
-        if self.start >= self.end:
+        """Indices (in ``table``) of the blocks this work writes (none tracked for an
+        uncacheable sequence: it shares none)."""
+        if self.start >= self.end or not self.cacheable:
             return range(0)
         return range(self.start // block_size, -(-self.end // block_size))
 
@@ -111,6 +125,13 @@ class EngineExecutor(Executor):
         cost: a `CostModel` in engine seconds; when given, every executed plan is also
             priced by the simulator's `CostModelExecutor` (``predicted_seconds``), which
             isolates the cost model's error from the scheduling differences of a simulation.
+        token_policy: token eviction (see the module docstring): a registered
+            `kvevict.tokens` name (``"snapkv"``, ``"lkv_t"``, ...) or a `TokenPolicy`; None
+            (default) keeps every token. Needs a model without sliding windows.
+        token_budget: tokens kept per sequence per layer; required with a name (equal to
+            the instance's budget, or None, with an instance).
+        token_params: more parameters of a named policy (``{"scorer": path}`` for a learned
+            one; its ``shape`` comes from the model).
 
     Attributes (read them after a run):
         answers: request id -> the model's greedy token at every generated position.
@@ -128,16 +149,28 @@ class EngineExecutor(Executor):
             ``peeks``: last-token logits computed without keeping their K/V;
             ``stale_items``: plan entries whose request was no longer running when the step
             ran, skipped).
+        tokens: the `TokenEviction` (its counters: ``compactions``, ``dropped_tokens``,
+            ``freed_blocks``), or None without a token policy.
     """
 
     def __init__(self, model: LlamaModel, pool: BlockPool, clock: ManualClock, *,
                  time_scale: float = 1.0, teacher_forcing: bool = True,
                  check_tokens: bool = False,
                  timer: Callable[[], float] = time.perf_counter,
-                 cost: CostModel | None = None) -> None:
+                 cost: CostModel | None = None,
+                 token_policy: str | TokenPolicy | None = None,
+                 token_budget: int | None = None,
+                 token_params: dict[str, Any] | None = None) -> None:
         if not isinstance(model, LlamaModel):
             raise ConfigError(f"model must be a LlamaModel, got {type(model).__name__}")
         model.check_pool(pool)
+        if token_policy is None:
+            if token_budget is not None or token_params:
+                raise ConfigError("token_budget / token_params need a token_policy (e.g. "
+                                  "'snapkv')")
+            self.tokens: TokenEviction | None = None
+        else:
+            self.tokens = TokenEviction(model, token_policy, token_budget, token_params)
         if not isinstance(clock, ManualClock):
             raise ConfigError(f"clock must be a ManualClock (the manager's), got "
                               f"{type(clock).__name__}")
@@ -178,6 +211,17 @@ class EngineExecutor(Executor):
         self.peeks = 0
         self.stale_items = 0
 
+    @property
+    def uncacheable(self) -> Callable[[Request], bool] | None:
+        """The `KVCacheManager`'s ``uncacheable`` predicate this executor needs: the requests
+        token eviction may compact (None without a token policy)."""
+        return None if self.tokens is None else self.tokens.uncacheable
+
+    def kept_positions(self, request_id: Any) -> tuple[tuple[int, ...], ...] | None:
+        """Per layer, the original positions of the tokens a request stores after its last
+        forward (None without a token policy, or for a request never run)."""
+        return None if self.tokens is None else self.tokens.kept_positions(request_id)
+
     # -- the Executor protocol -------------------------------------------------------------
 
     def reset_timer(self) -> None:
@@ -196,12 +240,14 @@ class EngineExecutor(Executor):
         host = 0.0 if self._mark is None else t_enter - self._mark
         if manager.pool is not self.pool:
             raise ConfigError("the manager's pool is not the pool this executor runs on")
+        if self.tokens is not None:
+            self.tokens.prune()
         works = self._collect(plan)
         for w in works:
             w.start = self._skip_valid(manager, w)
         self._resolve_shared_writes(works)
         t_model = self.timer()
-        logits = self._run(works)
+        logits = self._run(works, manager)
         if self._cuda:
             torch.cuda.synchronize(self.pool.device)
         out = self._sample(works, logits)
@@ -244,6 +290,8 @@ class EngineExecutor(Executor):
                                   "only); the engine needs token ids")
             seq = st.seq
             assert seq is not None  # _live
+            if self.tokens is not None:
+                self.tokens.check_sequence(seq)
             works.append(_Work(st, list(seq.block_table), chunk.start, chunk.end,
                                chunk.samples, "prefill"))
         for st in plan.decodes:
@@ -265,7 +313,7 @@ class EngineExecutor(Executor):
         """First position of ``w`` whose block is not already a valid cached block."""
         bs = self.pool.block_size
         s = w.start
-        while s < w.end:
+        while s < w.end and w.cacheable:
             k = s // bs
             record = self._valid.get(w.table[k])
             if record is None or manager.block(w.table[k]) is not record:
@@ -321,15 +369,19 @@ class EngineExecutor(Executor):
 
     # -- running ---------------------------------------------------------------------------
 
-    def _run(self, works: list[_Work]) -> dict[Any, torch.Tensor]:
-        """Run all computing works in one model call, then each peek; logits by request."""
+    def _run(self, works: list[_Work], manager: KVCacheManager) -> dict[Any, torch.Tensor]:
+        """Run all computing works in one model call, then each peek; logits by request.
+        With token eviction the policy then sees each computing work's sequence."""
         device = self.model.device
         compute = [w for w in works if w.start < w.end]
         logits: dict[Any, torch.Tensor] = {}
         if compute:
             entries = [(torch.tensor(self._tokens(w.state, w.start, w.end), device=device),
                         w.start, w.table) for w in compute]
-            rows = self.model.forward_paged(self.pool, entries)
+            if self.tokens is None:
+                rows = self.model.forward_paged(self.pool, entries)
+            else:
+                rows = self._run_evicting(entries, compute, manager)
             for w, row in zip(compute, rows):
                 self._count(w, w.end - w.start)
                 if w.samples:
@@ -339,6 +391,27 @@ class EngineExecutor(Executor):
                 logits[w.state.request_id] = self._peek(w)
                 self._count(w, 1)
         return logits
+
+    def _run_evicting(self, entries: list[tuple[torch.Tensor, int, list[int]]],
+                      compute: list[_Work], manager: KVCacheManager) -> torch.Tensor:
+        """One model call with token eviction: each entry at its sequence's next free slot
+        (positions past the dropped tokens) and its logical position; then the policy."""
+        tokens = self.tokens
+        assert tokens is not None
+        items = []
+        for i, w in enumerate(compute):
+            seq = w.state.seq
+            assert seq is not None  # _live
+            slot = w.start - seq.num_dropped
+            fresh = w.kind == "prefill" and w.first == seq.num_hit_slots
+            items.append(tokens.item(w.state, seq, slot, w.start, w.end - w.start, w.table,
+                                     fresh))
+            entries[i] = (entries[i][0], slot, w.table)
+        rows, captured = self.model.forward_paged(
+            self.pool, entries, positions=[w.start for w in compute],
+            queries=[tokens.queries(w.end - w.start) for w in compute])
+        tokens.after_forward(manager, self.pool, items, captured)
+        return rows
 
     def _count(self, w: _Work, n: int) -> None:
         """Account ``n`` positions the model computed for ``w``."""
@@ -401,6 +474,8 @@ class EngineExecutor(Executor):
         marked when they filled)."""
         bs = self.pool.block_size
         for w in works:
+            if not w.cacheable:
+                continue
             for k in range(w.first // bs, w.end // bs):
                 block = w.table[k]
                 record = manager.block(block)

@@ -624,7 +624,9 @@ class LlamaModel:
         seqs: Sequence[tuple[torch.Tensor, int, Sequence[int]]],
         *,
         return_all: bool = False,
-    ) -> torch.Tensor | list[torch.Tensor]:
+        positions: Sequence[int] | None = None,
+        queries: Sequence[int] | None = None,
+    ) -> Any:
         """Run new tokens of several sequences, with K/V stored in and read from ``pool``.
 
         Each entry of ``seqs`` is ``(token_ids [n], start, block_table)``: the sequence's new
@@ -651,12 +653,32 @@ class LlamaModel:
         Everything is validated before anything is written; invalid input raises `ConfigError`
         and leaves the pool unchanged.
 
+        **Token eviction** (`kvevict.engine.executor`, ``token_policy``) decouples a sequence's
+        slots from its positions: after some tokens were dropped and the kept ones compacted
+        into the first slots, ``start`` is the *slot* of the first new token (its K/V go to
+        slot ``start``, it attends causally over slots ``0 .. start``) while ``positions[i]``
+        is its *position*, the one RoPE rotates it by (default: ``start``). Kept tokens keep
+        the rotation of their original position. A position other than the slot needs full
+        attention in every layer (a sliding window counts positions): `ConfigError`.
+
+        Args:
+            pool: the tensor-backed `BlockPool` (`check_pool`).
+            seqs: ``(token_ids, start, block_table)`` per sequence (see above).
+            return_all: return the logits of every new token, not only the last.
+            positions: per entry, the position of its first new token (None: ``start``).
+            queries: per entry, how many of its last new tokens' queries (post-RoPE) to
+                return as well, ``0 .. n`` (None: none, and the plain return value).
+
         Returns:
             float32 logits of each sequence's last new token, ``[len(seqs), vocab]``; with
-            ``return_all=True`` a list of ``[n_i, vocab]`` tensors, one per sequence.
+            ``return_all=True`` a list of ``[n_i, vocab]`` tensors, one per sequence. With
+            ``queries``, the pair ``(logits, captured)``: ``captured[i]`` is None for a count
+            of 0, else one ``[num_heads, count, head_dim]`` tensor per layer (model dtype).
         """
         self.check_pool(pool)
         prepared = self._check_entries(pool, seqs)
+        logical = self._check_positions(prepared, positions)
+        capture = self._check_queries(prepared, queries)
         bs, dev = pool.block_size, self.device
         # decode entries sorted by context length, then cut into buckets (see _decode_buckets)
         decode = sorted((i for i, e in enumerate(prepared) if e[0].shape[0] == 1),
@@ -664,24 +686,34 @@ class LlamaModel:
         longer = [i for i, e in enumerate(prepared) if e[0].shape[0] > 1]
         order = decode + longer
 
-        # positions and flat pool slots (block * block_size + offset) of every new token
+        # RoPE positions and flat pool slots (block * block_size + offset) of every new token
         positions_parts: list[torch.Tensor] = []
         slots_parts: list[torch.Tensor] = []
         if decode:
             starts = [prepared[i][1] for i in decode]
-            positions_parts.append(torch.tensor(starts, device=dev))
+            positions_parts.append(torch.tensor([logical[i] for i in decode], device=dev))
             slots_parts.append(torch.tensor(
                 [prepared[i][2][s // bs] * bs + s % bs for i, s in zip(decode, starts)],
                 device=dev))
         for i in longer:
             ids, start, table = prepared[i]
-            pos = torch.arange(start, start + ids.shape[0], device=dev)
-            positions_parts.append(pos)
-            slots_parts.append(torch.tensor(table, device=dev)[pos // bs] * bs + pos % bs)
-        positions = torch.cat(positions_parts)
+            slot = torch.arange(start, start + ids.shape[0], device=dev)
+            positions_parts.append(slot + (logical[i] - start))
+            slots_parts.append(torch.tensor(table, device=dev)[slot // bs] * bs + slot % bs)
+        rope_positions = torch.cat(positions_parts)
         slots = torch.cat(slots_parts)
         ids = torch.cat([prepared[i][0] for i in order])
-        max_position = max(prepared[i][1] + prepared[i][0].shape[0] - 1 for i in order)
+        max_position = max(logical[i] + prepared[i][0].shape[0] - 1 for i in order)
+        # rows of each captured entry's last queries in the step's token order
+        captured: list[list[torch.Tensor] | None] = [None] * len(prepared)
+        rows: list[tuple[int, int, int]] = []  # (entry, first row, end row)
+        offset = 0
+        for i in order:
+            n = prepared[i][0].shape[0]
+            if capture[i]:
+                rows.append((i, offset + n - capture[i], offset + n))
+                captured[i] = []
+            offset += n
 
         buckets = _decode_buckets([prepared[i][1] + 1 for i in decode])
         decode_plans = {w: [_decode_plan(prepared, decode[lo:hi], bs, w, dev)
@@ -698,6 +730,8 @@ class LlamaModel:
             v_pool = kv[li, 1].view(-1, c.num_kv_heads, c.head_dim)
             k_pool.index_copy_(0, slots, k)
             v_pool.index_copy_(0, slots, v)
+            for i, lo, hi in rows:
+                captured[i].append(q[lo:hi].transpose(0, 1))  # type: ignore[union-attr]
             window = self._windows[li]
             outs: list[torch.Tensor] = []
             if decode:
@@ -712,20 +746,60 @@ class LlamaModel:
                 offset += n
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-        x = self._run_layers(ids, positions, max_position, attend)
+        x = self._run_layers(ids, rope_positions, max_position, attend)
         lengths = [prepared[i][0].shape[0] for i in order]
+        out: torch.Tensor | list[torch.Tensor]
         if return_all:
             per_seq = self._logits(x).split(lengths)
             result: list[torch.Tensor] = [torch.empty(0)] * len(prepared)
             for i, logits in zip(order, per_seq):
                 result[i] = logits
-            return result
-        last = torch.tensor(lengths, device=dev).cumsum(0) - 1
-        inverse = [0] * len(order)
-        for rank, i in enumerate(order):
-            inverse[i] = rank
-        last = last[torch.tensor(inverse, device=dev)]
-        return self._logits(x.index_select(0, last))
+            out = result
+        else:
+            last = torch.tensor(lengths, device=dev).cumsum(0) - 1
+            inverse = [0] * len(order)
+            for rank, i in enumerate(order):
+                inverse[i] = rank
+            last = last[torch.tensor(inverse, device=dev)]
+            out = self._logits(x.index_select(0, last))
+        return out if queries is None else (out, captured)
+
+    def _check_positions(self, prepared: list[tuple[torch.Tensor, int, list[int]]],
+                         positions: Any) -> list[int]:
+        """Validate ``forward_paged``'s ``positions``; return one per entry."""
+        starts = [start for _, start, _ in prepared]
+        if positions is None:
+            return starts
+        if isinstance(positions, (str, bytes)) or not isinstance(positions, Sequence) or \
+                len(positions) != len(prepared):
+            raise ConfigError(f"positions must be a list of {len(prepared)} ints (one per "
+                              f"entry of seqs), got {positions!r}")
+        for i, (p, start) in enumerate(zip(positions, starts)):
+            if isinstance(p, bool) or not isinstance(p, int) or p < start:
+                raise ConfigError(f"positions[{i}] must be an int >= the entry's start "
+                                  f"({start}): a slot holds a token at this position or "
+                                  f"later, got {p!r}")
+            if p != start and any(w is not None for w in self._windows):
+                raise ConfigError("a position other than the slot (token eviction) needs full "
+                                  "attention in every layer; this model has a sliding window")
+        return list(positions)
+
+    @staticmethod
+    def _check_queries(prepared: list[tuple[torch.Tensor, int, list[int]]],
+                       queries: Any) -> list[int]:
+        """Validate ``forward_paged``'s ``queries``; return one count per entry."""
+        if queries is None:
+            return [0] * len(prepared)
+        if isinstance(queries, (str, bytes)) or not isinstance(queries, Sequence) or \
+                len(queries) != len(prepared):
+            raise ConfigError(f"queries must be a list of {len(prepared)} counts (one per "
+                              f"entry of seqs), got {queries!r}")
+        for i, (count, (ids, _, _)) in enumerate(zip(queries, prepared)):
+            n = ids.shape[0]
+            if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= n:
+                raise ConfigError(f"queries[{i}] must be an int in [0, {n}] (the entry's new "
+                                  f"tokens), got {count!r}")
+        return list(queries)
 
     def _decode_attention(self, kv: torch.Tensor, li: int, q: torch.Tensor,
                           plan: _DecodePlan) -> torch.Tensor:

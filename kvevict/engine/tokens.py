@@ -1,0 +1,300 @@
+"""Token eviction in the engine: a `kvevict.tokens.TokenPolicy` keeps ``budget`` tokens of
+every sequence in every layer of the pool.
+
+`EngineExecutor` (``token_policy=``) hands this module each forward's works; after the forward
+(a prefill chunk or a decode step) `TokenEviction.after_forward` shows each sequence's stored
+tokens to the policy, layer by layer, as the Hugging Face adapter's ``PagedLayer`` does:
+
+- ``select`` runs once per layer per forward when the layer stores more than ``budget`` tokens,
+  and on every forward for a policy that ``needs_attention`` (H2O accumulates what each forward
+  saw). The keys and values it scores are the layer's stored slots read back from the
+  sequence's blocks (keys after RoPE), ``positions`` their original positions.
+- For a ``needs_attention`` policy the attention is that of every new query of the forward
+  over the stored keys (causal, the query heads averaged within each GQA group): the
+  definition of the adapter's ``window_attention``, recomputed here from the queries
+  `LlamaModel.forward_paged` returns (``queries=``).
+- Over budget, each layer keeps ``select``'s slots: their K/V are written into the sequence's
+  first ``budget`` slots (layers may keep different tokens, never a different count), and
+  `KVCacheManager.compact` gives the blocks past them back to the pool. New tokens then go to
+  the slots after the kept ones, rotated by their own position: kept tokens keep the rotation
+  of theirs (no re-rotation), and the logical length keeps counting.
+
+**Caching.** A compacted block no longer holds the tokens its hash names, so a request that
+may be compacted (`TokenEviction.uncacheable`: its prompt plus the decodes it will compute
+exceed the budget) must be begun uncacheable (the manager's ``uncacheable`` predicate): it
+neither hits cached blocks nor caches its own, and recomputes its whole prompt. That also
+keeps its answers independent of what the cache held. A request that stays within the budget
+is cached and hit as usual; its tokens are shown to the policy but never dropped.
+
+**State.** A stateful policy (one that overrides `TokenPolicy.reset`, as H2O does) is copied
+for each sequence (`copy.deepcopy`, then ``reset()``); a stateless one is shared. A preempted
+sequence is recomputed from its first token when it resumes (uncacheable, nothing hits), with
+a fresh policy state. A peek (the last-token logits of a fully cached prompt) only happens to
+a cacheable sequence and is not shown to the policy.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from kvevict.engine.model import LlamaModel
+from kvevict.errors import ConfigError, KVEvictError, PolicyError
+from kvevict.manager import KVCacheManager, Sequence
+from kvevict.pool import BlockPool
+from kvevict.tokens import TOKEN_POLICIES, ScorerShape, TokenPolicy, make_token_policy
+from kvevict.types import Request
+
+__all__ = ["TokenEviction", "window_attention"]
+
+
+def window_attention(queries: Tensor, keys: Tensor, valid: Tensor, scaling: float) -> Tensor:
+    """Softmax attention of the last queries over a layer's stored keys, per kv head.
+
+    The definition of the Hugging Face adapter's ``window_attention``
+    (`kvevict.adapters.hf.model`), which needs transformers to import.
+
+    Args:
+        queries: ``[B, Hq, W, D]``, the last ``W`` queries of the forward.
+        keys: ``[B, Hkv, T, D]`` stored keys, the forward's new ones last (at least ``W``).
+        valid: bool ``[B, T]``; invalid slots get no attention.
+        scaling: the softmax scale.
+
+    Returns:
+        float32 ``[B, Hkv, W, T]``: query ``i`` (slot ``T - W + i``) sees every valid slot up
+        to its own, query heads averaged within each GQA group; a query that sees no valid
+        slot gets a row of zeros.
+    """
+    batch, q_heads, window, dim = queries.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    q = queries.float().reshape(batch, kv_heads, group * window, dim)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling
+    logits = logits.view(batch, kv_heads, group, window, length)
+    last_visible = length - window + torch.arange(window, device=keys.device)
+    causal = torch.arange(length, device=keys.device)[None, :] <= last_visible[:, None]
+    visible = causal[None, None, None] & valid[:, None, None, None, :]
+    probs = torch.softmax(logits.masked_fill(~visible, -torch.inf), dim=-1).nan_to_num(0.0)
+    return probs.mean(dim=2)
+
+
+@attrs.define
+class _SeqState:
+    """One sequence's token-eviction state: its policy, each layer's kept positions."""
+
+    owner: Any  #: the scheduler's `RequestState` (its status says when to forget this)
+    policy: TokenPolicy
+    positions: list[Tensor]  #: per layer, long ``[stored]``: the original positions
+    stored: int  #: slots per layer
+
+
+@attrs.define
+class _Item:
+    """One sequence's share of a forward, as `TokenEviction.after_forward` needs it."""
+
+    state: _SeqState
+    seq_id: Any
+    slot: int  #: first slot the forward wrote
+    position: int  #: its position
+    count: int  #: new tokens
+    table: list[int]
+
+
+class TokenEviction:
+    """The token policy of an `EngineExecutor` (see the module docstring).
+
+    Args:
+        model: the engine's `LlamaModel` (full attention in every layer).
+        policy: a registered token policy name or a `TokenPolicy` instance.
+        budget: tokens kept per sequence per layer; required with a name, and equal to the
+            instance's budget (or None) with an instance.
+        params: more parameters of a named policy. A learned policy (``lkv_t``, ``kvp``)
+            given ``scorer=`` as a path gets ``shape=`` from the model unless given.
+
+    Raises:
+        ConfigError: an unknown name, a missing or mismatched budget, parameters with an
+            instance, or a model with a sliding window.
+
+    Attributes:
+        compactions: forwards after which a sequence's stored tokens were cut to the budget.
+        dropped_tokens: tokens those cuts dropped (per sequence, counted once for all layers).
+        freed_blocks: blocks they gave back to the pool.
+    """
+
+    def __init__(self, model: LlamaModel, policy: str | TokenPolicy,
+                 budget: int | None = None, params: dict[str, Any] | None = None) -> None:
+        if not isinstance(model, LlamaModel):
+            raise ConfigError(f"model must be a LlamaModel, got {type(model).__name__}")
+        c = model.config
+        if c.sliding_window is not None:
+            raise ConfigError("token eviction in the engine needs full attention in every "
+                              f"layer; this model has a sliding window of {c.sliding_window} "
+                              "(it counts positions, which kept tokens no longer fill)")
+        if params is not None and not isinstance(params, dict):
+            raise ConfigError(f"token_params must be a dict or None, got "
+                              f"{type(params).__name__}")
+        if isinstance(policy, TokenPolicy):
+            if params:
+                raise ConfigError("token_params were given with a TokenPolicy instance; pass "
+                                  "a registered name to build one")
+            if budget is not None and budget != policy.budget:
+                raise ConfigError(f"token_budget={budget!r} differs from the token policy's "
+                                  f"budget ({policy.budget}); give one")
+            built = policy
+        elif isinstance(policy, str):
+            params = dict(params or {})
+            TOKEN_POLICIES.get(policy)  # an unknown name first
+            if "shape" in TOKEN_POLICIES.parameters(policy) and "shape" not in params:
+                params["shape"] = ScorerShape(c.num_layers, c.num_kv_heads, c.head_dim,
+                                              c.head_dim)
+            built = make_token_policy(policy, budget=budget, **params)
+        else:
+            raise ConfigError(f"token_policy must be None, a registered name "
+                              f"({', '.join(TOKEN_POLICIES.names())}) or a TokenPolicy, got "
+                              f"{type(policy).__name__}")
+        built.reset()
+        self.model = model
+        self.policy = built
+        self.budget = built.budget
+        #: whether each sequence gets its own copy of the policy (it overrides ``reset``)
+        self.stateful = type(built).reset is not TokenPolicy.reset
+        self.scaling = c.attention_scale if c.attention_scale is not None \
+            else c.head_dim ** -0.5
+        self.compactions = 0
+        self.dropped_tokens = 0
+        self.freed_blocks = 0
+        self._states: dict[Any, _SeqState] = {}
+        self._final: dict[Any, tuple[tuple[int, ...], ...]] = {}
+
+    # -- what the executor asks ------------------------------------------------------------
+
+    def uncacheable(self, request: Request) -> bool:
+        """Whether ``request`` may store more than ``budget`` tokens (its prompt, plus the
+        ``output_len - 1`` decodes whose K/V are computed), hence be compacted: the
+        ``uncacheable`` predicate of the `KVCacheManager`."""
+        return request.prompt_len + max(request.output_len - 1, 0) > self.budget
+
+    def queries(self, count: int) -> int:
+        """How many of a forward's ``count`` new queries the policy needs: all of them for a
+        policy that scores attention (as the adapter's default), else none."""
+        return count if self.policy.needs_attention else 0
+
+    def kept_positions(self, seq_id: Any) -> tuple[tuple[int, ...], ...] | None:
+        """Per layer, the original positions of the tokens a sequence stores (after its last
+        forward; kept after it finished), or None for one never run."""
+        state = self._states.get(seq_id)
+        if state is not None:
+            return tuple(tuple(p.tolist()) for p in state.positions)
+        return self._final.get(seq_id)
+
+    def all_kept_positions(self) -> dict[Any, tuple[tuple[int, ...], ...]]:
+        """`kept_positions` of every sequence run so far."""
+        out = dict(self._final)
+        for seq_id in self._states:
+            out[seq_id] = self.kept_positions(seq_id)  # type: ignore[assignment]
+        return out
+
+    def prune(self) -> None:
+        """Forget the state of sequences that stopped running (a finished one's positions
+        are kept for `kept_positions`; a preempted one starts afresh when it resumes)."""
+        for seq_id in [k for k, s in self._states.items() if s.owner.status != "running"]:
+            state = self._states.pop(seq_id)
+            if state.owner.status == "finished":
+                self._final[seq_id] = tuple(tuple(p.tolist()) for p in state.positions)
+
+    def check_sequence(self, seq: Sequence) -> None:
+        """`ConfigError` when ``seq`` may be compacted but was begun cacheable (the manager
+        was built without this predicate): its blocks are or may be shared."""
+        if seq.cacheable and self.uncacheable(seq.request):
+            raise ConfigError(
+                f"request {seq.seq_id!r} may store more than the token budget ({self.budget}) "
+                "but its sequence is cacheable: build the KVCacheManager with "
+                "uncacheable=executor.uncacheable (run_engine does)")
+
+    def item(self, owner: Any, seq: Sequence, slot: int, position: int, count: int,
+             table: list[int], fresh: bool) -> _Item:
+        """This forward's share of ``seq``: ``count`` tokens at ``slot`` / ``position``.
+        ``fresh``: the first prefill chunk since the sequence was begun or resumed."""
+        state = self._states.get(seq.seq_id)
+        layers = self.model.config.num_layers
+        if fresh or state is None or (seq.cacheable and state.stored != slot):
+            if not seq.cacheable and slot != 0:
+                raise KVEvictError(f"internal error: uncacheable request {seq.seq_id!r} "
+                                   f"starts at slot {slot}, not 0")
+            # a cacheable sequence is never compacted: its slots are its positions
+            prior = torch.arange(slot, device=self.model.device)
+            policy = self.policy
+            if self.stateful:
+                policy = copy.deepcopy(policy)
+                policy.reset()
+            state = _SeqState(owner, policy, [prior] * layers, slot)
+            self._states[seq.seq_id] = state
+        elif state.stored != slot:
+            raise KVEvictError(f"internal error: request {seq.seq_id!r} stores "
+                               f"{state.stored} slots but its next token goes to slot {slot}")
+        return _Item(state, seq.seq_id, slot, position, count, table)
+
+    # -- after the forward -----------------------------------------------------------------
+
+    def after_forward(self, manager: KVCacheManager, pool: BlockPool, items: list[_Item],
+                      captured: list[list[Tensor] | None]) -> None:
+        """Show each item's stored tokens to its policy; compact the ones over budget."""
+        for item, queries in zip(items, captured, strict=True):
+            self._apply(manager, pool, item, queries)
+
+    def _apply(self, manager: KVCacheManager, pool: BlockPool, item: _Item,
+               queries: list[Tensor] | None) -> None:
+        state, policy = item.state, item.state.policy
+        device = self.model.device
+        new = torch.arange(item.position, item.position + item.count, device=device)
+        state.positions = [torch.cat((p, new)) for p in state.positions]
+        length = state.stored = item.slot + item.count
+        if length <= self.budget and not policy.needs_attention:
+            return
+        if policy.needs_attention and queries is None:
+            raise KVEvictError(f"internal error: no queries captured for {item.seq_id!r}")
+        c = self.model.config
+        bs = pool.block_size
+        kv = pool.kv
+        assert kv is not None  # the executor checked the pool
+        blocks = torch.tensor(item.table[:-(-length // bs)], device=device)
+        count = min(self.budget, length)
+        slots = torch.arange(count, device=device)
+        slots = blocks[slots // bs] * bs + slots % bs  # where the kept tokens go
+        valid = torch.ones((1, length), dtype=torch.bool, device=device)
+        for li in range(c.num_layers):
+            k = kv[li, 0].index_select(0, blocks).view(-1, c.num_kv_heads, c.head_dim)[:length]
+            v = kv[li, 1].index_select(0, blocks).view(-1, c.num_kv_heads, c.head_dim)[:length]
+            keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            positions = state.positions[li]
+            attention = None
+            if policy.needs_attention:
+                attention = window_attention(queries[li][None], keys, valid,  # type: ignore
+                                             self.scaling)
+            kept = policy.select(li, keys, values, positions[None], valid, attention=attention)
+            if (not isinstance(kept, Tensor) or tuple(kept.shape) != (1, count)
+                    or kept.dtype != torch.long):
+                got = tuple(kept.shape) if isinstance(kept, Tensor) else type(kept).__name__
+                raise PolicyError(f"{policy!r}.select returned {got}; expected a long tensor "
+                                  f"of shape {(1, count)}")
+            if count == length:
+                continue  # every slot kept
+            index = kept[0].to(device)
+            if count > 1 and not bool((index[1:] > index[:-1]).all()):
+                raise PolicyError(f"{policy!r}.select must return slot indices ascending and "
+                                  "unique per row")
+            kv[li, 0].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, k[index])
+            kv[li, 1].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, v[index])
+            state.positions[li] = positions[index]
+        if count < length:
+            self.freed_blocks += len(manager.compact(item.seq_id, count))
+            self.compactions += 1
+            self.dropped_tokens += length - count
+            state.stored = count
+
+    def __repr__(self) -> str:
+        return f"TokenEviction({self.policy!r})"
