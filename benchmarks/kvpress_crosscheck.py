@@ -23,16 +23,17 @@ does (original positions passed explicitly). kvevict's selection is applied thro
 kvpress hook (a ``BasePress`` whose ``compress`` gathers kvevict's choice), so the answers differ
 only by the kept sets: kvevict's own `PagedCache` needs transformers >= 5.3 and cannot run here.
 
-The comparison functions (`kvpress_budget`, `jaccard`, `compare_layer`, `per_head_select`,
-`difference_regions`, `equal_up_to_ties`, `head_agreement`, `window_attention`, `summarize`)
-are pure and are
-tested without kvpress (``tests/test_tokens_crosscheck.py``). Output:
+The comparison functions (`kvpress_budget`, `exact_floor`, `jaccard`, `compare_layer`,
+`per_head_select`, `difference_regions`, `equal_up_to_ties`, `swap_gap`, `head_agreement`,
+`window_attention`, `summarize`) are pure and are tested without kvpress
+(``tests/test_tokens_crosscheck.py``). Output:
 ``benchmarks/results/kvpress_crosscheck.json`` and Markdown tables on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -189,6 +190,22 @@ def equal_up_to_ties(reference: Tensor, candidate: Tensor, scores: Tensor) -> li
     return out
 
 
+def swap_gap(reference: Tensor, candidate: Tensor, scores: Tensor) -> float:
+    """How far from a tie the exchanged tokens are: per head, the positions only one side
+    keeps are sorted by their ``scores`` (the reference's ``[Hkv, T]``) and paired; the result
+    is the largest ``|score difference|`` of a pair over the heads (0.0 for equal sets, and for
+    sets equal up to exact ties). A tiny gap means a near-tie decided by float rounding."""
+    if candidate.dim() == 1:
+        candidate = candidate.unsqueeze(0).expand(reference.shape[0], -1)
+    gap = 0.0
+    for r, c, s in zip(reference, candidate, scores, strict=True):
+        sr, sc = set(r.tolist()), set(c.tolist())
+        only_r = sorted(s[p].item() for p in sr - sc)
+        only_c = sorted(s[p].item() for p in sc - sr)
+        gap = max([gap, *(abs(a - b) for a, b in zip(only_r, only_c, strict=True))])
+    return gap
+
+
 def head_agreement(kept: Tensor) -> float:
     """Mean Jaccard between the kept sets of every pair of kv heads of one layer (``[Hkv, n]``);
     1.0 for a single head. How far a per-head selection is from any shared one."""
@@ -231,9 +248,11 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     `compare_layer` result (``layer_exact``, ``head_exact``, ``jaccard``). A row has
     ``layers`` (records), ``layer_exact`` (fraction of layers whose every head matched),
     ``head_exact`` (fraction of (layer, head) pairs that matched), ``jaccard`` (mean over
-    (layer, head)), ``jaccard_min`` and the budgets seen; rows keep the records' first-seen
+    (layer, head)), ``jaccard_min``, the budgets seen and ``layers_with_mismatch`` (the layer
+    indices of the records that were not exact); rows keep the records' first-seen
     order. A record may also hold ``tied`` (`equal_up_to_ties`, one bool per head): then the
-    row has ``head_exact_up_to_ties``, the fraction of (layer, head) pairs equal up to ties.
+    row has ``head_exact_up_to_ties``, the fraction of (layer, head) pairs equal up to ties;
+    and ``gap`` (`swap_gap`): then the row has ``max_swap_gap``, the largest over its records.
     """
     groups: dict[tuple, list[Mapping[str, Any]]] = {}
     for rec in records:
@@ -251,10 +270,14 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "jaccard": sum(jac) / len(jac),
             "jaccard_min": min(jac),
             "budgets": sorted({int(r["budget"]) for r in recs}),
+            "layers_with_mismatch": sorted({int(r["layer"]) for r in recs
+                                            if not r["layer_exact"]}),
         })
         if all("tied" in r for r in recs):
             tied = [t for r in recs for t in r["tied"]]
             rows[-1]["head_exact_up_to_ties"] = sum(map(bool, tied)) / len(tied)
+        if all("gap" in r for r in recs):
+            rows[-1]["max_swap_gap"] = max(float(r["gap"]) for r in recs)
     return rows
 
 
@@ -441,9 +464,11 @@ def load_judge(folder: Path, seed: int) -> tuple[Any, str]:
     from train_judge import judge_config
     from transformers import LlamaForCausalLM
 
-    if (folder / "model.safetensors").exists():
+    weights = folder / "model.safetensors"
+    if weights.exists():
         model = LlamaForCausalLM.from_pretrained(str(folder))
-        source = f"trained judge ({folder})"
+        digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+        source = f"trained judge ({folder}, model.safetensors sha256 {digest[:16]}...)"
     else:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(judge_config())
@@ -543,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                             cmp = compare_layer(entry["kvpress"], kept)
                             cmp["tied"] = equal_up_to_ties(entry["kvpress"], kept,
                                                            entry["scores"])
+                            cmp["gap"] = swap_gap(entry["kvpress"], kept, entry["scores"])
                             records.append({"mode": mode, "method": method, "ratio": ratio,
                                             "variant": label, "budget": entry["budget"],
                                             "layer": layer, "task": item.task, **cmp})
@@ -635,9 +661,11 @@ def report(result: Mapping[str, Any]) -> str:
                 ("head exact", "head_exact", ".3f"),
                 ("head exact up to ties", "head_exact_up_to_ties", ".3f"),
                 ("mean Jaccard", "jaccard", ".4f"),
-                ("min Jaccard", "jaccard_min", ".3f"),
+                ("min Jaccard", "jaccard_min", ".3f"), ("layers differing", "where", ""),
                 ("kvpress head-head J", "kvpress_head_agreement", ".3f"),
-                ("kvpress-only mid/win", "kp_only", ""), ("kvevict-only mid/win", "kv_only", "")]
+                ("max swap gap", "max_swap_gap", ".1e"),
+                ("kvpress-only sink/mid/win", "kp_only", ""),
+                ("kvevict-only sink/mid/win", "kv_only", "")]
     gen_cols = [("run", "run", ""), ("items", "n", ""), ("exact match", "exact_match", ".3f"),
                 ("same as kvpress", "same_as_kvpress", ".3f"),
                 ("same as full cache", "same_as_full", ".3f")]
@@ -652,8 +680,9 @@ def report(result: Mapping[str, Any]) -> str:
             d = r["differences"]
             kp, kv = d["reference_only"], d["candidate_only"]
             rows.append({**r, "budget": "/".join(map(str, r["budgets"])),
-                         "kp_only": f"{kp['middle']}/{kp['window']}",
-                         "kv_only": f"{kv['middle']}/{kv['window']}"})
+                         "where": ",".join(map(str, r["layers_with_mismatch"])) or "-",
+                         "kp_only": f"{kp['sink']}/{kp['middle']}/{kp['window']}",
+                         "kv_only": f"{kv['sink']}/{kv['middle']}/{kv['window']}"})
         parts.append(f"\n### Kept sets, mode `{mode}`\n\n" + markdown(rows, sel_cols))
         gens = [g for g in result["generation"] if g["mode"] == mode]
         parts.append(f"\n### Generated answers, mode `{mode}`\n\n" + markdown(gens, gen_cols))

@@ -91,18 +91,27 @@ def test_equal_up_to_ties(cc):
     assert cc.equal_up_to_ties(reference, torch.tensor([3, 1]), scores) == [True, True]
 
 
+def test_swap_gap(cc):
+    scores = torch.tensor([[0.1, 0.5, 0.5, 0.9], [0.1, 0.5, 0.25, 0.9]])
+    reference = torch.tensor([[1, 3], [1, 3]])
+    assert cc.swap_gap(reference, reference, scores) == 0.0
+    assert cc.swap_gap(reference, torch.tensor([[2, 3], [2, 3]]), scores) == 0.25
+    assert cc.swap_gap(reference, torch.tensor([0, 3]), scores) == pytest.approx(0.4)
+
+
 def test_head_agreement(cc):
     assert cc.head_agreement(torch.tensor([[0, 1], [1, 2], [0, 1]])) == pytest.approx(5 / 9)
     assert cc.head_agreement(torch.tensor([[0, 1]])) == 1.0
 
 
 def test_summarize_exact_fractions(cc):
-    base = {"mode": "prompt", "method": "knorm", "ratio": 0.5, "variant": "v", "budget": 2}
+    base = {"mode": "prompt", "method": "knorm", "ratio": 0.5, "variant": "v", "budget": 2,
+            "layer": 0}
     records = [
-        {**base, "layer_exact": True, "head_exact": [True, True], "jaccard": [1.0, 1.0],
-         "tied": [True, True]},
+        {**base, "layer": 3, "layer_exact": True, "head_exact": [True, True], "jaccard": [1.0, 1.0],
+         "tied": [True, True], "gap": 0.0},
         {**base, "layer_exact": False, "head_exact": [True, False], "jaccard": [1.0, 0.5],
-         "tied": [True, True]},
+         "tied": [True, True], "gap": 0.25},
         {**base, "variant": "w", "layer_exact": False, "head_exact": [False, False],
          "jaccard": [0.0, 0.5]},
     ]
@@ -111,8 +120,10 @@ def test_summarize_exact_fractions(cc):
     assert rows[0]["layers"] == 2 and rows[0]["layer_exact"] == 0.5
     assert rows[0]["head_exact"] == 0.75 and rows[0]["jaccard"] == 0.875
     assert rows[0]["jaccard_min"] == 0.5 and rows[0]["budgets"] == [2]
-    assert rows[0]["head_exact_up_to_ties"] == 1.0
+    assert rows[0]["layers_with_mismatch"] == [0]
+    assert rows[0]["head_exact_up_to_ties"] == 1.0 and rows[0]["max_swap_gap"] == 0.25
     assert rows[1]["head_exact"] == 0.0 and "head_exact_up_to_ties" not in rows[1]
+    assert "max_swap_gap" not in rows[1]
 
 
 # -- per head vs shared, against kvpress's scoring rules restated ------------------------------
