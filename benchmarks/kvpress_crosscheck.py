@@ -650,6 +650,30 @@ def generation_rows(answers: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     return rows
 
 
+def generation_pivot(gen_rows: Sequence[Mapping[str, Any]], mode: str) -> list[dict[str, Any]]:
+    """One row per ``(method, ratio)`` of ``mode``: exact match of the full cache, of kvpress,
+    of kvevict's defaults and of kvevict with kvpress's parameters and per-head layout (the
+    last variant of `VARIANTS`), and how often each kvevict answer equals kvpress's."""
+    by_run = {g["run"]: g for g in gen_rows if g["mode"] == mode}
+    full = by_run["full cache"]["exact_match"]
+    out = []
+    for method, variants in VARIANTS.items():
+        for ratio in RATIOS:
+            head = f"{method}@{ratio}"
+            if f"{head}/kvpress" not in by_run:
+                continue
+            default = by_run[f"{head}/{variants[0][0]}"]
+            matched = by_run[f"{head}/{variants[-1][0]}"]
+            out.append({"method": method, "ratio": ratio, "full": full,
+                        "kvpress": by_run[f"{head}/kvpress"]["exact_match"],
+                        "default": default["exact_match"],
+                        "default_same": default["same_as_kvpress"],
+                        "matched": matched["exact_match"],
+                        "matched_same": matched["same_as_kvpress"],
+                        "matched_label": variants[-1][0]})
+    return out
+
+
 def report(result: Mapping[str, Any]) -> str:
     """The Markdown report: the set comparison and the generation comparison per mode."""
     parts = [f"model: {result['model']}; {result['items']} items x {len(result['modes'])} modes;"
@@ -672,6 +696,12 @@ def report(result: Mapping[str, Any]) -> str:
     parts.append("\n### kvpress budgets (`int(T * (1 - ratio))`) vs exact floor\n\n" + markdown(
         result["budgets"], [("T", "length", ""), ("ratio", "ratio", ""),
                             ("kvpress keeps", "kvpress", ""), ("exact floor", "exact_floor", "")]))
+    pivot_cols = [("method", "method", ""), ("ratio", "ratio", ""), ("full cache", "full", ".3f"),
+                  ("kvpress", "kvpress", ".3f"), ("kvevict default", "default", ".3f"),
+                  ("default's answer = kvpress's", "default_same", ".3f"),
+                  ("kvevict as kvpress", "matched", ".3f"),
+                  ("its answer = kvpress's", "matched_same", ".3f"),
+                  ("kvevict as kvpress is", "matched_label", "")]
     for mode in result["modes"]:
         rows = []
         for r in result["selection"]:
@@ -686,6 +716,8 @@ def report(result: Mapping[str, Any]) -> str:
         parts.append(f"\n### Kept sets, mode `{mode}`\n\n" + markdown(rows, sel_cols))
         gens = [g for g in result["generation"] if g["mode"] == mode]
         parts.append(f"\n### Generated answers, mode `{mode}`\n\n" + markdown(gens, gen_cols))
+        parts.append(f"\n### Exact match, mode `{mode}`\n\n" + markdown(
+            generation_pivot(result["generation"], mode), pivot_cols))
     return "\n".join(parts)
 
 

@@ -207,3 +207,24 @@ def test_window_attention_matches_the_hf_adapter(cc):
     # a hand-built case: one query over two zero keys, then a second that also sees slot 2
     flat = cc.window_attention(torch.ones(1, 1, 2, 1), torch.zeros(1, 1, 3, 1), 1.0)
     torch.testing.assert_close(flat, torch.tensor([[[[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]]]]))
+
+
+def test_generation_rows_and_pivot(cc):
+    default, matched = cc.VARIANTS["knorm"][0][0], cc.VARIANTS["knorm"][-1][0]
+    answers = [
+        {"mode": "context", "answer": [300, 2], "full": [300, 2],
+         "runs": {"knorm@0.5/kvpress": [300, 2], f"knorm@0.5/{default}": [301, 2],
+                  f"knorm@0.5/{matched}": [300, 2]}},
+        {"mode": "context", "answer": [310, 2], "full": [311, 2],
+         "runs": {"knorm@0.5/kvpress": [312, 2], f"knorm@0.5/{default}": [312, 2],
+                  f"knorm@0.5/{matched}": [312, 2]}},
+    ]
+    rows = {r["run"]: r for r in cc.generation_rows(answers)}
+    assert rows["full cache"]["exact_match"] == 0.5 and rows["full cache"]["n"] == 2
+    assert rows["knorm@0.5/kvpress"]["same_as_full"] == 0.5
+    assert rows[f"knorm@0.5/{default}"]["same_as_kvpress"] == 0.5
+    assert rows[f"knorm@0.5/{default}"]["exact_match"] == 0.0
+    pivot = cc.generation_pivot(list(rows.values()), "context")
+    assert pivot == [{"method": "knorm", "ratio": 0.5, "full": 0.5, "kvpress": 0.5,
+                      "default": 0.0, "default_same": 0.5, "matched": 0.5,
+                      "matched_same": 1.0, "matched_label": matched}]
