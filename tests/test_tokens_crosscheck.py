@@ -228,3 +228,17 @@ def test_generation_rows_and_pivot(cc):
     assert pivot == [{"method": "knorm", "ratio": 0.5, "full": 0.5, "kvpress": 0.5,
                       "default": 0.0, "default_same": 0.5, "matched": 0.5,
                       "matched_same": 1.0, "matched_label": matched}]
+
+
+def test_the_named_defaults_are_kvevicts(cc):
+    import inspect
+
+    from kvevict.tokens import SnapKV, StreamingLLM
+
+    assert inspect.signature(SnapKV).parameters["window_size"].default == \
+        cc.KVEVICT_SNAPKV_WINDOW == 32
+    assert inspect.signature(SnapKV).parameters["kernel_size"].default == \
+        cc.KVPRESS_SNAPKV_KERNEL == 5
+    assert inspect.signature(StreamingLLM).parameters["n_sink"].default == cc.KVPRESS_N_SINK == 4
+    assert [label for label, _, _ in cc.VARIANTS["snapkv"]] == [
+        "kvevict w=32 shared (default)", "kvevict w=64 shared", "kvevict w=64 per head"]
