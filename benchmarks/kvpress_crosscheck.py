@@ -14,7 +14,7 @@ positions it keeps per layer and kv head (checked against the keys kvpress actua
 runs kvevict's ``select`` on the very same keys and attention with the same budget (what
 kvpress keeps). Two inputs per item:
 
-- ``prompt``: the whole prompt (context, question, ``ANSWER``) is prefilled and compressed;
+- ``prompt``: the whole prompt (context and question) is prefilled and compressed;
 - ``context``: kvpress's pipeline: the context is compressed, then the question is fed and
   the answer decoded greedily on the compressed cache.
 
@@ -53,7 +53,7 @@ for _path in (ROOT, HERE):
         sys.path.insert(0, str(_path))
 
 from kvevict.tokens import TokenPolicy, make_token_policy  # noqa: E402
-from kvevict.tokens.tasks import EOS, TASKS, make_items  # noqa: E402
+from kvevict.tokens.tasks import EOS, QUESTION_LENGTH, TASKS, make_items  # noqa: E402
 
 OUT = HERE / "results" / "kvpress_crosscheck.json"
 JUDGE = ROOT / "kvevict" / "data" / "judge"
@@ -68,8 +68,8 @@ KVPRESS_N_SINK = 4
 KVEVICT_SNAPKV_WINDOW = 32
 #: Queries of the prefill whose attention kvevict's SnapKV gets (the largest window compared).
 ATTENTION_QUERIES = KVPRESS_SNAPKV_WINDOW
-#: Tokens after the context in every task prompt: ``QUERY``, the key (or marker), ``ANSWER``.
-QUESTION_TOKENS = 3
+#: Tokens after the context in every task prompt (``QUERY`` and the queried token).
+QUESTION_TOKENS = QUESTION_LENGTH
 
 
 # -- pure comparison functions (tested without kvpress) ---------------------------------------

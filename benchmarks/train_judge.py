@@ -8,14 +8,15 @@ weights). Tests and docs use the shipped weights; this is a one-off.
 
     python benchmarks/train_judge.py --seed 0 --minutes 60
 
-Recipe: answer-token cross-entropy only (filler is random and unlearnable), AdamW with warm-up
-and cosine decay, several questions per context (a dense signal, as Zoology's MQAR training asks
-every key), a length curriculum from 128 tokens to 1280 over the first 40% of the schedule (the
-induction mechanism is learned cheaply on short contexts, then stretched), a fixed token budget
-per step. The schedule (curriculum and learning rate) runs on whichever is further along, steps
-or wall time, so a slower machine shortens it instead of cutting it off. Training stops early
-once every task's held-out exact match is at least ``--target`` on two evaluations in a row; the
-manifest reports a final exact match on 256 fresh items per task.
+Recipe: answer-token cross-entropy only (filler is random and unlearnable), AdamW with warm-up,
+several questions per context (a dense signal, as Zoology's MQAR training asks every key), and a
+curriculum that earns its length: contexts start at 56-64 tokens (the records with almost no
+filler between them), and the longest grows by 32
+tokens each step the running answer-token accuracy is at least 0.9, up to 1280 (the mechanism is
+learned cheaply on short contexts, then stretched). The learning rate is constant until the
+curriculum is done (or half the time is spent), then decays on a cosine over the time left.
+Training stops early once every task's held-out exact match is at least ``--target`` on two
+evaluations in a row; the manifest reports a final exact match on 256 fresh items per task.
 """
 
 from __future__ import annotations
@@ -74,14 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--minutes", type=float, default=60.0)
     ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--tokens-per-step", type=int, default=8192)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--tokens-per-step", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--queries", type=int, default=16,
                     help="questions per training context (capped by the task's records)")
     ap.add_argument("--eval-every", type=int, default=150)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--resume", type=Path, default=None,
+                    help="continue from the model saved in this folder (its MANIFEST.json's "
+                         "history is carried over)")
     args = ap.parse_args(argv)
 
     from transformers import LlamaForCausalLM
@@ -89,35 +93,42 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    model = LlamaForCausalLM(judge_config())
+    model = (LlamaForCausalLM(judge_config()) if args.resume is None
+             else LlamaForCausalLM.from_pretrained(args.resume))
+    history = ([] if args.resume is None else
+               json.loads((args.resume / "MANIFEST.json").read_text()).get("history", []))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98),
                             weight_decay=0.01)
     warm = 100
 
-    def progress(step: int, elapsed: float) -> float:
-        """How far along the schedule is: by steps or by wall time, whichever is further (so
-        a slower machine shortens the run instead of cutting the schedule off)."""
-        return min(1.0, max(step / args.steps, elapsed / (args.minutes * 60)))
-
-    def lr_at(step: int, frac: float) -> float:
+    def lr_at(step: int, decay: float) -> float:
+        """Warm-up, constant while the curriculum grows, then cosine decay (``decay`` in
+        [0, 1]: how far into the decay phase)."""
         if step < warm:
             return args.lr * (step + 1) / warm
-        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * decay)))
 
     held = {t: make_items(t, 64, length=1024, seed=10_000 + args.seed) for t in TASKS}
     start = time.perf_counter()
     good_in_a_row, step, log = 0, 0, []
-    frac = 0.0
+    top, skill, decay_from = 64, 0.0, None
     for step in range(args.steps):
-        frac = progress(step, time.perf_counter() - start)
-        ramp = min(1.0, frac / 0.4)
-        top = int(128 + ramp * (1280 - 128))
-        length = int(rng.integers(128, top + 1))
+        elapsed = time.perf_counter() - start
+        if top >= 1280 and decay_from is None:
+            decay_from = (step, elapsed)
+        if decay_from is None:  # no decay before the curriculum is done or half the time is
+            decay = 0.0 if elapsed < 0.5 * args.minutes * 60 else 1e-9
+            if decay:
+                decay_from = (step, elapsed)
+        if decay_from is not None:
+            left = max(1.0, args.minutes * 60 - decay_from[1])
+            decay = min(1.0, (elapsed - decay_from[1]) / left)
+        length = int(rng.integers(max(56, top // 2), top + 1))
         rows = max(1, args.tokens_per_step // length)
         tasks = [TASKS[(step + r) % len(TASKS)] for r in range(rows)]
         ids, targets = training_batch(tasks, length, rng, queries=args.queries)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, frac)
+            g["lr"] = lr_at(step, decay)
         logits = model(input_ids=torch.from_numpy(ids)).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                torch.from_numpy(targets).reshape(-1), ignore_index=-100)
@@ -125,9 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        with torch.no_grad():  # the curriculum: longer contexts once the short ones are read
+            mask = torch.from_numpy(targets) != -100
+            hit = (logits.argmax(-1) == torch.from_numpy(targets))[mask].float().mean().item()
+        skill = 0.9 * skill + 0.1 * hit
+        if skill >= 0.9 and top < 1280:
+            top = min(1280, top + 32)
         elapsed = time.perf_counter() - start
         if step % 20 == 0:
-            print(f"step {step} len {length} loss {loss.item():.4f} {elapsed:.0f}s", flush=True)
+            print(f"step {step} len {length} top {top} loss {loss.item():.4f} answer-token "
+                  f"accuracy {skill:.3f} {elapsed:.0f}s", flush=True)
         if (step + 1) % args.eval_every == 0 or elapsed > args.minutes * 60:
             acc = {t: exact_match(model, its) for t, its in held.items()}
             log.append({"step": step + 1, "seconds": round(elapsed), **acc})
@@ -142,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     weights = args.out / "model.safetensors"
+    history = [*history, {"command": "python benchmarks/train_judge.py " + " ".join(
+        sys.argv[1:] if argv is None else argv), "steps": step + 1, "wall_seconds": round(wall)}]
     manifest = {
+        "history": history, "total_wall_seconds": sum(h["wall_seconds"] for h in history),
         "command": "python benchmarks/train_judge.py " + " ".join(sys.argv[1:] if argv is None
                                                                  else argv),
         "seed": args.seed, "steps": step + 1, "wall_seconds": round(wall),

@@ -78,13 +78,15 @@ def kv_bytes(model: Any, tokens: int) -> int:
 
 @torch.no_grad()
 def judge_answers(model: Any, items: Sequence[TaskItem], policy: str | TokenPolicy | None,
-                  *, fraction: float = 1.0, batch: int = 16, **params: Any
-                  ) -> list[tuple[int, ...]]:
+                  *, fraction: float = 1.0, budget: int | None = None, batch: int = 16,
+                  **params: Any) -> list[tuple[int, ...]]:
     """Each item's greedy answer (as many tokens as its expected answer) under ``policy``
-    keeping ``budget_for(fraction, len(context))`` tokens (None: the full cache, no policy).
+    keeping ``budget`` tokens, by default ``budget_for(fraction, len(context))`` (policy None:
+    the full cache, no policy).
 
     Items of one batch must share their context and answer lengths (the generated tasks do).
-    ``params`` go to `make_token_policy`; a fresh policy is built per batch."""
+    ``params`` go to `make_token_policy`; a fresh policy is built per batch (a policy
+    instance is used as given, so pass a name for batches)."""
     from kvevict.adapters.hf import PagedCache
 
     out: list[tuple[int, ...]] = []
@@ -96,7 +98,9 @@ def judge_answers(model: Any, items: Sequence[TaskItem], policy: str | TokenPoli
         if policy is None:
             cache = PagedCache(model)
         else:
-            tp = make_token_policy(policy, budget_for(fraction, ctx_len), **params)
+            keep = budget_for(fraction, ctx_len) if budget is None else budget
+            tp = (policy if isinstance(policy, TokenPolicy)
+                  else make_token_policy(policy, keep, **params))
             cache = PagedCache(model, token_policy=tp)
         context = torch.tensor([it.context for it in chunk])
         prompt = torch.tensor([it.prompt for it in chunk])
@@ -161,8 +165,10 @@ def gated_logits(model: Any, ids: torch.Tensor, gate: Any) -> torch.Tensor:
     """The judge's logits on ``ids`` with ``gate`` (e.g. `kvevict.tokens.lkv.GatedAttention`)
     as every layer's attention function: how LKV-T trains through the frozen judge."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(_GATED, _gated_attention)
+    AttentionMaskInterface.register(_GATED, eager_mask)  # the float causal mask eager gets
     previous = "eager"  # the judge's own (load_judge)
     _gates.append(gate)
     try:

@@ -7,14 +7,15 @@ Arora et al. 2023; the needle-in-a-haystack test; RULER's variable tracking, Hsi
 written over a small closed vocabulary so that a tiny model trained here on CPU learns them:
 
 - ``recall`` (multi-query associative recall): key–value pairs scattered in filler, then
-  queries ``? key :`` answered by the pair's value;
+  queries ``? key`` answered by the pair's value;
 - ``needle``: one ``NEEDLE v v v`` record among distractor records with other markers; the
-  query ``? NEEDLE :`` is answered by the needle's three values;
+  query ``? NEEDLE`` is answered by the needle's three values;
 - ``vartrack`` (variable tracking): assignment chains ``VAR src dst`` (``dst = src``) from a
-  root value through three variables, with two distractor chains; the query ``? value :`` is
+  root value through three variables, with two distractor chains; the query ``? value`` is
   answered by the chain's variables in order.
 
-Every answer ends with ``EOS``. A `TaskItem` is a prompt (ending at ``ANSWER``) and its answer;
+Every answer ends with ``EOS``. A `TaskItem` is a prompt (ending with the queried token) and its
+answer;
 `make_items` draws a seeded, reproducible list of them, and `training_batch` packs prompts with
 several queries for the training script (`benchmarks/train_judge.py`).
 
@@ -32,7 +33,6 @@ import numpy as np
 from kvevict.errors import ConfigError
 
 __all__ = [
-    "ANSWER",
     "BOS",
     "EOS",
     "PAD",
@@ -45,7 +45,7 @@ __all__ = [
     "training_batch",
 ]
 
-PAD, BOS, EOS, QUERY, ANSWER = 0, 1, 2, 3, 4
+PAD, BOS, EOS, QUERY = 0, 1, 2, 3
 _TASK_MARK = {"recall": 5, "needle": 6, "vartrack": 7}
 NEEDLE = 8
 _DISTRACTORS = tuple(range(9, 16))
@@ -54,8 +54,9 @@ _KEYS = (32, 288)
 _VALUES = (288, 416)
 _FILLER = (416, 512)
 VOCAB_SIZE = 512
-#: Tokens of every question: ``QUERY``, the queried token, ``ANSWER``.
-QUESTION_LENGTH = 3
+#: Tokens of every question: ``QUERY`` and the queried token; the answer follows directly
+#: (as in Zoology's MQAR, so the answer is read by one induction step from the queried token).
+QUESTION_LENGTH = 2
 
 #: The task names, in the order the docs report them.
 TASKS: tuple[str, ...] = ("recall", "needle", "vartrack")
@@ -68,7 +69,7 @@ _VT_CHAINS = 3
 
 @attrs.frozen
 class TaskItem:
-    """One question: ``prompt`` (ends with ``ANSWER``) and the expected ``answer`` (ends with
+    """One question: ``prompt`` (ends with the queried token) and the expected ``answer`` (ends with
     ``EOS``). ``evidence`` holds the prompt positions of the tokens the answer is read from."""
 
     task: str
@@ -83,7 +84,7 @@ class TaskItem:
 
     @property
     def question(self) -> tuple[int, ...]:
-        """The question: ``QUERY``, the queried token, ``ANSWER``."""
+        """The question: ``QUERY`` and the queried token."""
         return self.prompt[-QUESTION_LENGTH:]
 
 
@@ -134,9 +135,9 @@ def _context(task: str, length: int, rng: np.random.Generator
             order.append(nxt[c])
             nxt[c] += 1
     body = length - 2 - sum(len(r) for r in records)
-    if body < len(records):
+    if body < 0:
         raise ConfigError(f"context length {length} is too short for task {task!r}")
-    cuts = np.sort(rng.choice(np.arange(1, body), len(records), replace=False))
+    cuts = np.sort(rng.integers(0, body + 1, len(records)))  # records may sit side by side
     filler = rng.integers(*_FILLER, size=body)
     tokens = [BOS, _TASK_MARK[task]]
     where: list[list[int]] = [[] for _ in records]
@@ -163,7 +164,7 @@ def make_items(task: str, count: int, *, length: int = 1024, seed: int = 0) -> l
         tokens, questions, where = _context(task, length, rng)
         query, answer, held = questions[int(rng.integers(len(questions)))]
         evidence = tuple(sorted(p for r in held for p in where[r]))
-        items.append(TaskItem(task, (*tokens, *query, ANSWER), tuple(answer), evidence))
+        items.append(TaskItem(task, (*tokens, *query), tuple(answer), evidence))
     return items
 
 
@@ -179,8 +180,8 @@ def training_batch(tasks: Sequence[str], length: int, rng: np.random.Generator,
         picks = rng.choice(len(questions), min(queries, len(questions)), replace=False)
         for q in picks:
             query, answer, _ = questions[int(q)]
-            tokens += [*query, ANSWER]
-            target += [-100] * (len(query) + 1)
+            tokens += query
+            target += [-100] * len(query)
             tokens += answer
             target += list(answer)
         rows.append((tokens, target))
