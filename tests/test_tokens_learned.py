@@ -16,7 +16,6 @@ from kvevict.tokens.kvp import _plackett_luce_logp, ranking_reward
 from kvevict.tokens.learned import load_scorer, save_scorer
 from kvevict.tokens.lkv import GatedAttention
 from kvevict.tokens.tasks import (
-    ANSWER,
     EOS,
     QUERY,
     TASKS,
@@ -36,7 +35,7 @@ def test_items_are_reproducible_and_hold_their_evidence(task):
     assert a == make_items(task, 3, length=256, seed=5)
     assert a != make_items(task, 3, length=256, seed=6)
     for it in a:
-        assert len(it.context) == 256 and it.question[0] == QUERY and it.question[-1] == ANSWER
+        assert len(it.context) == 256 and it.question[0] == QUERY and len(it.question) == 2
         assert it.prompt == it.context + it.question and it.answer[-1] == EOS
         held = [it.prompt[p] for p in it.evidence]
         if task == "recall":  # the pair "key value": the queried key, then the answer
@@ -54,8 +53,8 @@ def test_training_batch_targets_are_the_answers():
     for row in range(2):
         marked = np.nonzero(targets[row] != -100)[0]
         assert (targets[row, marked] == ids[row, marked + 1]).all()
-        answer_starts = np.nonzero(ids[row] == ANSWER)[0]
-        assert set(answer_starts) <= set(marked)  # the answer's first token is predicted
+        queried = np.nonzero(ids[row] == QUERY)[0] + 1
+        assert set(queried) <= set(marked)  # the answer's first token follows the queried one
     # two recall questions of 2 answer tokens; the needle task has one question of 4
     assert (targets[0] != -100).sum() == 2 * 2 and (targets[1] != -100).sum() == 4
 
@@ -66,7 +65,7 @@ def test_bad_task_arguments():
     with pytest.raises(ConfigError, match="count must be an int >= 1"):
         make_items("recall", 0)
     with pytest.raises(ConfigError, match="too short"):
-        make_items("recall", 1, length=40)
+        make_items("recall", 1, length=40)  # 24 pairs need 48 tokens
 
 
 @pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5, float("nan"), True, "0.5"])

@@ -1,0 +1,318 @@
+"""`RoutedCache`: MoE-nD's per-layer eviction and quantization in a ``transformers.Cache``.
+
+Source: Sun et al., "MoE-nD" (arXiv:2604.17695, 2026): each layer is routed to its own
+``(keep ratio, key bits, value bits)`` tuple under one memory budget, chosen by an
+offline-calibrated greedy solver (`kvevict.tokens.solver.route`), and eviction and quantization
+are applied together at inference.
+
+Here, when the first forward (the context's prefill) ends, each full-attention layer ``l``
+keeps ``kept_tokens(ratio_l, C)`` of the ``C`` context tokens, chosen by a token policy that
+needs no attention matrix (``knorm`` by default, or a learned ``lkv_t`` / ``kvp``), and stores
+them **quantized** (`kvevict.tokens.quant`: keys per channel, values per token, packed codes
+and float16 scales). Every later forward dequantizes them for attention and appends its own
+tokens in full precision after them (the residual, as transformers' ``QuantizedCache`` keeps
+recent tokens): the compression happens once, after prefill, as in kvpress and the MoE-nD paper.
+`nbytes` counts what the layers hold.
+
+Layers keep different token counts while transformers builds one mask per forward, sized for
+the widest layer (`RoutedCache.get_mask_sizes`). The model therefore runs under
+`routed_attention(model)`: eager attention whose mask is cut to each layer's own keys from the
+end (the newest tokens are last in every layer, and without padding every older column is
+visible). Batches must be unpadded. `calibrate` measures each layer's answer-loss increase per
+tuple, the table `route` needs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvevict.errors import ConfigError
+from kvevict.tokens import TOKEN_POLICIES, ScorerShape, TokenPolicy, make_token_policy
+from kvevict.tokens.quant import QuantizedKV, quantize
+from kvevict.tokens.solver import Tuple, check_tuple, kept_tokens
+from kvevict.tokens.tasks import TaskItem
+
+__all__ = ["ROUTED_ATTENTION", "RoutedCache", "RoutedLayer", "calibrate", "routed_answers",
+           "routed_attention"]
+
+#: The attention implementation name `routed_attention` registers.
+ROUTED_ATTENTION = "kvevict_routed"
+
+
+def _routed_eager(module: Any, query: Tensor, key: Tensor, value: Tensor,
+                  attention_mask: Tensor | None, scaling: float | None = None,
+                  dropout: float = 0.0, **_: Any) -> tuple[Tensor, Tensor]:
+    """Eager attention with the mask cut to this layer's keys, from the end."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1)
+    v = value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    logits = torch.matmul(query, k.transpose(2, 3)) * scale
+    if attention_mask is not None:
+        logits = logits + attention_mask[..., -k.shape[-2]:]
+    weights = torch.softmax(logits.float(), dim=-1).to(query.dtype)
+    return torch.matmul(weights, v).transpose(1, 2).contiguous(), weights
+
+
+@contextmanager
+def routed_attention(model: Any, restore: str = "eager") -> Iterator[Any]:
+    """Run ``model`` with the attention a `RoutedCache` needs; ``restore`` is the
+    implementation set back afterwards (transformers has no public getter for the current
+    one)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ROUTED_ATTENTION, _routed_eager)
+    AttentionMaskInterface.register(ROUTED_ATTENTION, eager_mask)
+    model.set_attn_implementation(ROUTED_ATTENTION)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(restore)
+
+
+class RoutedLayer(CacheLayerMixin):
+    """One layer of a `RoutedCache`: quantized kept context tokens, then a full-precision
+    residual of the tokens fed after the compression."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, layer_idx: int, route: Tuple) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.route = route
+        self.seen = 0
+        self.compressed = False
+        self.kept_positions: Tensor | None = None  #: [B, K] once compressed
+        self.qkeys: QuantizedKV | Tensor | None = None
+        self.qvalues: QuantizedKV | Tensor | None = None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[:, :, :0]
+        self.values = value_states[:, :, :0]
+        self.is_initialized = True
+
+    @property
+    def stored(self) -> int:
+        """Slots held: kept context tokens plus the residual."""
+        return 0 if self.keys is None else int(self.keys.shape[-2]) + self._kept()
+
+    def _kept(self) -> int:
+        return 0 if self.kept_positions is None else int(self.kept_positions.shape[1])
+
+    def _dequantized(self) -> tuple[Tensor, Tensor]:
+        def dq(x: QuantizedKV | Tensor) -> Tensor:
+            return x.dequantize(self.dtype) if isinstance(x, QuantizedKV) else x
+        assert self.qkeys is not None and self.qvalues is not None
+        return dq(self.qkeys), dq(self.qvalues)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any,
+               **kwargs: Any) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        if not self.compressed:
+            return self.keys, self.values
+        k, v = self._dequantized()
+        return torch.cat([k, self.keys], dim=-2), torch.cat([v, self.values], dim=-2)
+
+    def compress(self, make_policy: Callable[[int], TokenPolicy]) -> None:
+        """Keep this layer's share of the context and quantize it (once, after prefill);
+        ``make_policy(budget)`` gives the token policy that chooses."""
+        keys, values = self.keys, self.values
+        batch, _, length, _ = keys.shape
+        keep = kept_tokens(self.route.keep_ratio, length)
+        positions = torch.arange(length, device=keys.device).expand(batch, length)
+        valid = torch.ones((batch, length), dtype=torch.bool, device=keys.device)
+        if keep < length:
+            slots = make_policy(keep).select(self.layer_idx, keys, values, positions, valid)
+        else:
+            slots = positions
+        index = slots[:, None, :, None]
+        k = keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[3]))
+        v = values.gather(2, index.expand(-1, values.shape[1], -1, values.shape[3]))
+        self.kept_positions = slots
+        kb, vb = self.route.key_bits, self.route.value_bits
+        self.qkeys = k.contiguous() if kb is None else quantize(k, kb, axis="channel")
+        self.qvalues = v.contiguous() if vb is None else quantize(v, vb, axis="token")
+        self.keys, self.values = keys[:, :, :0], values[:, :, :0]
+        self.compressed = True
+
+    def nbytes(self) -> int:
+        """Bytes held: the kept tokens (quantized or not) plus the residual."""
+        def size(x: QuantizedKV | Tensor | None) -> int:
+            if x is None:
+                return 0
+            return x.nbytes if isinstance(x, QuantizedKV) else x.numel() * x.element_size()
+        residual = 0 if self.keys is None else size(self.keys) + size(self.values)
+        return size(self.qkeys) + size(self.qvalues) + residual
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.stored + query_length, self.seen - self.stored
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RoutedCache(Cache):
+    """A cache whose layers each keep their own ratio of the context at their own bit widths.
+
+    Args:
+        model: a decoder-only transformers model whose layers are all full attention.
+        routing: one ``(keep_ratio, key_bits, value_bits)`` per layer (`kvevict.tokens.solver`;
+            bits None = the model's dtype).
+        token_policy: how each layer chooses its kept tokens: a name or an instance of a
+            policy that needs no attention matrix. Default ``"knorm"``.
+        token_params: parameters for a policy given by name (e.g. ``scorer=`` for ``lkv_t``).
+    """
+
+    def __init__(self, model: Any, routing: Sequence[Any], *,
+                 token_policy: str | TokenPolicy = "knorm",
+                 token_params: dict[str, Any] | None = None) -> None:
+        cfg = model.config
+        layers = cfg.num_hidden_layers
+        kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
+        if any(k != "full_attention" for k in kinds):
+            raise ConfigError("RoutedCache needs a model whose layers are all full attention, "
+                              f"got layer types {sorted(set(kinds))}")
+        routes = [check_tuple(tuple(t)) for t in routing]
+        if len(routes) != layers:
+            raise ConfigError(f"routing has {len(routes)} tuples but the model has {layers} "
+                              "layers; give one per layer")
+        params = dict(token_params or {})
+        if isinstance(token_policy, str):
+            kind = TOKEN_POLICIES.get(token_policy)
+            if isinstance(params.get("scorer"), (str, Path)) and "shape" not in params:
+                params["shape"] = ScorerShape.of(model)
+        elif isinstance(token_policy, TokenPolicy):
+            if params:
+                raise ConfigError("token_params were given together with a policy instance")
+            kind = type(token_policy)
+        else:
+            raise ConfigError(f"token_policy must be a name or a TokenPolicy, got "
+                              f"{type(token_policy).__name__}")
+        if kind.needs_attention:
+            raise ConfigError(f"RoutedCache compresses without an attention matrix; "
+                              f"{token_policy!r} needs one (use knorm, streamingllm, lkv_t, kvp)")
+        self.token_policy, self.token_params = token_policy, params
+        self.routing = routes
+        super().__init__(layers=[RoutedLayer(i, r) for i, r in enumerate(routes)])
+
+    @property
+    def compressed(self) -> bool:
+        return all(layer.compressed for layer in self.layers)
+
+    def compress(self) -> None:
+        """Compress every layer now (call once, after the context's prefill)."""
+        if self.compressed:
+            raise ConfigError("this RoutedCache was already compressed")
+        for layer in self.layers:
+            if not layer.is_initialized:
+                raise ConfigError("compress() needs a prefill first")
+            layer.compress(self._policy_for)
+
+    def _policy_for(self, budget: int) -> TokenPolicy:
+        """The token policy keeping ``budget`` tokens (a copy of an instance)."""
+        if isinstance(self.token_policy, str):
+            return make_token_policy(self.token_policy, budget, **self.token_params)
+        policy = copy.copy(self.token_policy)
+        policy.budget = budget
+        return policy
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """The widest layer's sizes: a one-token forward's mask covers every layer."""
+        stored = max(layer.stored for layer in self.layers)
+        seen = self.layers[0].seen
+        return stored + query_length, seen - stored
+
+    def nbytes(self) -> int:
+        """Bytes every layer holds (kept tokens at their bit widths plus the residual)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+@torch.no_grad()
+def routed_answers(model: Any, items: Sequence[TaskItem], routing: Sequence[Any], *,
+                   token_policy: str | TokenPolicy = "knorm",
+                   token_params: dict[str, Any] | None = None,
+                   batch: int = 16) -> tuple[list[tuple[int, ...]], int]:
+    """Greedy answers under ``routing``: prefill the context, compress, then ``generate()``
+    from the question on (under `routed_attention`). Returns the answers and the bytes one
+    sequence's cache held right after the compression (the most over the batches)."""
+    answers: list[tuple[int, ...]] = []
+    held = 0
+    with routed_attention(model):
+        for start in range(0, len(items), batch):
+            chunk = items[start:start + batch]
+            cache = _compressed(model, chunk, routing, token_policy, token_params)
+            held = max(held, cache.nbytes() // len(chunk))
+            prompt = torch.tensor([it.prompt for it in chunk])
+            n = len(chunk[0].answer)
+            gen = model.generate(input_ids=prompt, cache=cache, do_sample=False,
+                                 max_new_tokens=n, min_new_tokens=n,
+                                 pad_token_id=model.config.pad_token_id)
+            answers += [tuple(r) for r in gen[:, prompt.shape[1]:].tolist()]
+    return answers, held
+
+
+def _compressed(model: Any, items: Sequence[TaskItem], routing: Sequence[Any],
+                token_policy: str | TokenPolicy, token_params: dict[str, Any] | None
+                ) -> RoutedCache:
+    """A `RoutedCache` holding ``items``' contexts, prefilled and compressed."""
+    if any(len(it.context) != len(items[0].context) or len(it.answer) != len(items[0].answer)
+           for it in items):
+        raise ConfigError("items of one batch must share their context and answer lengths")
+    cache = RoutedCache(model, routing, token_policy=token_policy, token_params=token_params)
+    model(input_ids=torch.tensor([it.context for it in items]), cache=cache, use_cache=True)
+    cache.compress()
+    return cache
+
+
+@torch.no_grad()
+def _answer_nll(model: Any, items: Sequence[TaskItem], routing: Sequence[Any],
+                token_policy: str | TokenPolicy, token_params: dict[str, Any] | None) -> float:
+    """Mean negative log-likelihood of the answer tokens, teacher-forced, under ``routing``."""
+    cache = _compressed(model, items, routing, token_policy, token_params)
+    ctx = len(items[0].context)
+    rest = torch.tensor([(*it.question, *it.answer[:-1]) for it in items])
+    logits = model(input_ids=rest, cache=cache, use_cache=True).logits.float()
+    answer = torch.tensor([it.answer for it in items])
+    first = len(items[0].prompt) - 1 - ctx  # the position predicting the first answer token
+    logp = torch.log_softmax(logits[:, first:], dim=-1)
+    return float(-logp.gather(2, answer[:, :, None]).mean())
+
+
+def calibrate(model: Any, items: Sequence[TaskItem], tuples: Sequence[Any], *,
+              token_policy: str | TokenPolicy = "knorm",
+              token_params: dict[str, Any] | None = None) -> list[dict[Tuple, float]]:
+    """MoE-nD's offline calibration: ``losses[l][t]``, the increase of the answers' mean
+    negative log-likelihood when layer ``l`` alone is compressed with tuple ``t`` (every other
+    layer kept whole, unquantized), on calibration ``items`` (one batch: equal lengths)."""
+    tuples = [check_tuple(tuple(t)) for t in tuples]
+    layers = model.config.num_hidden_layers
+    whole = Tuple(1.0, None, None)
+    with routed_attention(model):
+        base = _answer_nll(model, items, [whole] * layers, token_policy, token_params)
+        table: list[dict[Tuple, float]] = []
+        for layer in range(layers):
+            row = {}
+            for t in tuples:
+                routing = [t if i == layer else whole for i in range(layers)]
+                row[t] = 0.0 if t == whole else (
+                    _answer_nll(model, items, routing, token_policy, token_params) - base)
+            table.append(row)
+    return table
