@@ -26,7 +26,7 @@ import torch
 
 from kvevict.judge import JUDGE_DIR, budget_for, judge_accuracy, kv_bytes, load_judge
 from kvevict.stats import interval
-from kvevict.tokens import ScorerShape
+from kvevict.tokens import KVScorer, ScorerShape
 from kvevict.tokens.tasks import TASKS, make_items
 
 FRACTIONS = (0.5, 0.25, 0.15, 0.1)
@@ -36,7 +36,11 @@ LEARNED = ("lkv_t", "kvp")
 
 def policy_params(name: str, model) -> dict:
     if name in LEARNED:
-        return {"scorer": JUDGE_DIR / f"{name}.safetensors", "shape": ScorerShape.of(model)}
+        path = JUDGE_DIR / f"{name}.safetensors"
+        if not path.is_file():  # decode cost only: a seeded random scorer of the right shape
+            torch.manual_seed(1)
+            return {"scorer": KVScorer(ScorerShape.of(model), per_head=name == "kvp")}
+        return {"scorer": path, "shape": ScorerShape.of(model)}
     return {}
 
 
@@ -163,10 +167,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     ap.add_argument("--out", type=Path, default=Path("docs/img"))
     ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--random-judge", action="store_true",
+                    help="with --decode: a seeded random model of the judge's shape (the cost "
+                         "of a step does not depend on the weights)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = load_judge()
+    if args.random_judge:
+        from train_judge import judge_config
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(judge_config()).eval()
+        model.set_attn_implementation("eager")  # as load_judge loads it
+    else:
+        model = load_judge()
     if args.decode:
         ratios = decode_cost(model, args.policies)
         print("| cache | decode step / DynamicCache step |\n|---|---|")
