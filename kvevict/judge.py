@@ -153,27 +153,11 @@ def judge_traces(model: Any, items: Sequence[TaskItem], *, batch: int = 8
     return traces
 
 
-_GATED = "kvevict_gated"
-_gates: list[Any] = []
-
-
-def _gated_attention(module: Any, *args: Any, **kwargs: Any) -> Any:
-    return _gates[-1](module, *args, **kwargs)
-
-
 def gated_logits(model: Any, ids: torch.Tensor, gate: Any) -> torch.Tensor:
     """The judge's logits on ``ids`` with ``gate`` (e.g. `kvevict.tokens.lkv.GatedAttention`)
-    as every layer's attention function: how LKV-T trains through the frozen judge."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    as every layer's attention function: how LKV-T trains through the frozen judge. The
+    judge's own eager attention is set back afterwards."""
+    from kvevict.adapters.hf.routed import attention_function
 
-    AttentionInterface.register(_GATED, _gated_attention)
-    AttentionMaskInterface.register(_GATED, eager_mask)  # the float causal mask eager gets
-    previous = "eager"  # the judge's own (load_judge)
-    _gates.append(gate)
-    try:
-        model.set_attn_implementation(_GATED)
+    with attention_function(model, "kvevict_gated", gate):
         return model(input_ids=ids).logits
-    finally:
-        _gates.pop()
-        model.set_attn_implementation(previous)

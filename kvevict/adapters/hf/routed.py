@@ -40,8 +40,8 @@ from kvevict.tokens.quant import QuantizedKV, quantize
 from kvevict.tokens.solver import Tuple, check_tuple, kept_tokens
 from kvevict.tokens.tasks import TaskItem
 
-__all__ = ["ROUTED_ATTENTION", "RoutedCache", "RoutedLayer", "calibrate", "routed_answers",
-           "routed_attention"]
+__all__ = ["ROUTED_ATTENTION", "RoutedCache", "RoutedLayer", "attention_function", "calibrate",
+           "routed_answers", "routed_attention"]
 
 #: The attention implementation name `routed_attention` registers.
 ROUTED_ATTENTION = "kvevict_routed"
@@ -63,20 +63,28 @@ def _routed_eager(module: Any, query: Tensor, key: Tensor, value: Tensor,
 
 
 @contextmanager
-def routed_attention(model: Any, restore: str = "eager") -> Iterator[Any]:
-    """Run ``model`` with the attention a `RoutedCache` needs; ``restore`` is the
+def attention_function(model: Any, name: str, function: Callable[..., Any],
+                       restore: str = "eager") -> Iterator[Any]:
+    """Run ``model`` with ``function`` (transformers' ``AttentionInterface`` signature, given
+    eager's float causal mask) registered as ``name`` for every layer; ``restore`` is the
     implementation set back afterwards (transformers has no public getter for the current
     one)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    AttentionInterface.register(ROUTED_ATTENTION, _routed_eager)
-    AttentionMaskInterface.register(ROUTED_ATTENTION, eager_mask)
-    model.set_attn_implementation(ROUTED_ATTENTION)
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, eager_mask)
+    model.set_attn_implementation(name)
     try:
         yield model
     finally:
         model.set_attn_implementation(restore)
+
+
+def routed_attention(model: Any, restore: str = "eager") -> Any:
+    """The attention a `RoutedCache` needs (`attention_function` with the mask cut to each
+    layer's keys from the end), as a context manager."""
+    return attention_function(model, ROUTED_ATTENTION, _routed_eager, restore)
 
 
 class RoutedLayer(CacheLayerMixin):
