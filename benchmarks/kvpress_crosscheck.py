@@ -53,6 +53,7 @@ for _path in (ROOT, HERE):
         sys.path.insert(0, str(_path))
 
 from kvevict.tokens import TokenPolicy, make_token_policy  # noqa: E402
+from kvevict.tokens.base import window_attention as base_window_attention  # noqa: E402
 from kvevict.tokens.tasks import EOS, QUESTION_LENGTH, TASKS, make_items  # noqa: E402
 
 OUT = HERE / "results" / "kvpress_crosscheck.json"
@@ -215,30 +216,12 @@ def head_agreement(kept: Tensor) -> float:
 
 
 def window_attention(queries: Tensor, keys: Tensor, scaling: float) -> Tensor:
-    """Softmax attention of the last ``W`` queries over all ``T`` keys, as kvevict's HF adapter
-    feeds its attention policies (``kvevict.adapters.hf.model.window_attention`` with every slot
-    valid; that module needs transformers >= 5.3, so the definition is repeated here and the
-    test checks the two agree).
-
-    Args:
-        queries: ``[B, Hq, W, D]`` post-RoPE queries of the last ``W`` tokens.
-        keys: ``[B, Hkv, T, D]`` post-RoPE keys, the queries' own tokens last.
-        scaling: the softmax temperature (``head_dim ** -0.5``).
-
-    Returns:
-        float32 ``[B, Hkv, W, T]``: causal (query ``i`` sees slots ``<= T - W + i``), query heads
-        averaged within each GQA group.
-    """
-    batch, q_heads, window, dim = queries.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
-    group = q_heads // kv_heads
-    q = queries.float().reshape(batch, kv_heads, group * window, dim)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling
-    logits = logits.view(batch, kv_heads, group, window, length)
-    last_visible = length - window + torch.arange(window, device=keys.device)
-    causal = torch.arange(length, device=keys.device)[None, :] <= last_visible[:, None]
-    probs = torch.softmax(logits.masked_fill(~causal, -torch.inf), dim=-1)
-    return probs.mean(dim=2)
+    """Softmax attention of the last ``W`` queries over all ``T`` keys, as kvevict's adapter and
+    engine feed their attention policies: `kvevict.tokens.base.window_attention` (torch only,
+    so it imports beside transformers 5.2) with every slot valid. Shapes as there; float32
+    ``[B, Hkv, W, T]``, causal, query heads averaged within each GQA group."""
+    valid = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device)
+    return base_window_attention(queries, keys, valid, scaling)
 
 
 def summarize(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

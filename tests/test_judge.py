@@ -11,10 +11,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvevict.errors import ConfigError  # noqa: E402
-from kvevict.judge import (  # noqa: E402
+from kvevict.errors import ConfigError
+from kvevict.judge import (
     gated_logits,
     judge_accuracy,
     judge_answers,
@@ -22,9 +22,9 @@ from kvevict.judge import (  # noqa: E402
     kv_bytes,
     load_judge,
 )
-from kvevict.tokens import KVScorer, ScorerShape  # noqa: E402
-from kvevict.tokens.lkv import GatedAttention  # noqa: E402
-from kvevict.tokens.tasks import VOCAB_SIZE, make_items  # noqa: E402
+from kvevict.tokens import KVScorer, ScorerShape
+from kvevict.tokens.lkv import GatedAttention
+from kvevict.tokens.tasks import VOCAB_SIZE, make_items
 
 POLICIES = ("streamingllm", "knorm", "h2o", "snapkv", "tova", "lkv_t", "kvp")
 

@@ -194,9 +194,9 @@ def test_snapkv_per_head_with_kvpress_parameters_equals_kvpress(cc):
     assert not cc.compare_layer(kvpress, kept)["layer_exact"]
 
 
-def test_window_attention_matches_the_hf_adapter(cc):
+def test_window_attention_is_the_one_the_adapter_and_engine_use(cc):
     pytest.importorskip("transformers")
-    from kvevict.adapters.hf.model import window_attention
+    from kvevict.tokens.base import window_attention
 
     torch.manual_seed(1)
     queries = torch.randn(2, 4, 5, 8)  # 4 query heads, 2 kv heads

@@ -47,39 +47,11 @@ from kvevict.errors import ConfigError, KVEvictError, PolicyError
 from kvevict.manager import KVCacheManager, Sequence
 from kvevict.pool import BlockPool
 from kvevict.tokens import TOKEN_POLICIES, ScorerShape, TokenPolicy, make_token_policy
+from kvevict.tokens.base import window_attention
 from kvevict.types import Request
 
-__all__ = ["TokenEviction", "window_attention"]
+__all__ = ["TokenEviction"]
 
-
-def window_attention(queries: Tensor, keys: Tensor, valid: Tensor, scaling: float) -> Tensor:
-    """Softmax attention of the last queries over a layer's stored keys, per kv head.
-
-    The definition of the Hugging Face adapter's ``window_attention``
-    (`kvevict.adapters.hf.model`), which needs transformers to import.
-
-    Args:
-        queries: ``[B, Hq, W, D]``, the last ``W`` queries of the forward.
-        keys: ``[B, Hkv, T, D]`` stored keys, the forward's new ones last (at least ``W``).
-        valid: bool ``[B, T]``; invalid slots get no attention.
-        scaling: the softmax scale.
-
-    Returns:
-        float32 ``[B, Hkv, W, T]``: query ``i`` (slot ``T - W + i``) sees every valid slot up
-        to its own, query heads averaged within each GQA group; a query that sees no valid
-        slot gets a row of zeros.
-    """
-    batch, q_heads, window, dim = queries.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
-    group = q_heads // kv_heads
-    q = queries.float().reshape(batch, kv_heads, group * window, dim)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling
-    logits = logits.view(batch, kv_heads, group, window, length)
-    last_visible = length - window + torch.arange(window, device=keys.device)
-    causal = torch.arange(length, device=keys.device)[None, :] <= last_visible[:, None]
-    visible = causal[None, None, None] & valid[:, None, None, None, :]
-    probs = torch.softmax(logits.masked_fill(~visible, -torch.inf), dim=-1).nan_to_num(0.0)
-    return probs.mean(dim=2)
 
 
 @attrs.define

@@ -51,6 +51,7 @@ __all__ = [
     "newest",
     "oldest",
     "register_token_policy",
+    "window_attention",
 ]
 
 
@@ -226,6 +227,36 @@ def _describe(value: Any) -> str:
     if isinstance(value, Tensor):
         return f"{value.dtype} tensor of shape {list(value.shape)}"
     return f"{type(value).__name__}"
+
+
+# -- the attention a policy is given --------------------------------------------------------
+
+
+def window_attention(queries: Tensor, keys: Tensor, valid: Tensor, scaling: float) -> Tensor:
+    """Softmax attention of the last queries over a layer's stored keys, per kv head.
+
+    Args:
+        queries: ``[B, Hq, W, D]``, the last ``W`` queries of this forward.
+        keys: ``[B, Hkv, T, D]`` stored keys, this forward's new ones last (at least ``W``).
+        valid: bool ``[B, T]``; invalid (padding) slots get no attention.
+        scaling: the softmax temperature of the model (``head_dim ** -0.5`` usually).
+
+    Returns:
+        float32 ``[B, Hkv, W, T]``: query ``i`` (slot ``T - W + i``) sees every valid slot up
+        to its own (causal), query heads averaged within each GQA group. A query that sees no
+        valid slot (a padding query) gets a row of zeros.
+    """
+    batch, q_heads, window, dim = queries.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    q = queries.float().reshape(batch, kv_heads, group * window, dim)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling
+    logits = logits.view(batch, kv_heads, group, window, length)
+    last_visible = length - window + torch.arange(window, device=keys.device)  # own slot
+    causal = torch.arange(length, device=keys.device)[None, :] <= last_visible[:, None]
+    visible = causal[None, None, None] & valid[:, None, None, None, :]
+    probs = torch.softmax(logits.masked_fill(~visible, -torch.inf), dim=-1).nan_to_num(0.0)
+    return probs.mean(dim=2)
 
 
 # -- registry ----------------------------------------------------------------------------------

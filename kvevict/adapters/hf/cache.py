@@ -40,11 +40,11 @@ from kvevict.adapters.hf.model import (
     check_pool,
     inspect_model,
     project_queries,
-    window_attention,
 )
 from kvevict.errors import ConfigError, PolicyError
 from kvevict.pool import BlockPool
 from kvevict.tokens import TokenPolicy, make_token_policy
+from kvevict.tokens.base import window_attention
 
 __all__ = ["PagedCache"]
 

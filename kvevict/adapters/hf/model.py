@@ -5,10 +5,11 @@ are paged into a `BlockPool`), which are special (sliding window, linear attenti
 transformers' own cache layer classes), the KV head geometry and the dtype. Anything the adapter
 cannot serve raises `ConfigError` naming what is supported.
 
-`attention_modules`, `project_queries` and `window_attention` recompute, for the token policies
-that need it (H2O, SnapKV), the softmax attention of the most recent queries over a layer's
-stored keys, the way kvpress does: from the attention module's own ``q_proj`` and rotary
-embedding, in float32, whatever attention kernel the model runs.
+`attention_modules` and `project_queries` (with `kvevict.tokens.base.window_attention`)
+recompute, for the token policies that need it (H2O, SnapKV, TOVA), the softmax attention of
+the most recent queries over a layer's stored keys, the way kvpress does: from the attention
+module's own ``q_proj`` and rotary embedding, in float32, whatever attention kernel the model
+runs.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ __all__ = [
     "check_pool",
     "inspect_model",
     "project_queries",
-    "window_attention",
 ]
 
 #: Model dtypes the adapter pages (the pool stores K/V in the model's dtype).
@@ -196,32 +196,6 @@ def project_queries(module: nn.Module, hidden_states: Tensor,
     rope = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", _apply_rope)
     return rope(q, q, cos, sin)[0]
 
-
-def window_attention(queries: Tensor, keys: Tensor, valid: Tensor, scaling: float) -> Tensor:
-    """Softmax attention of the last queries over a layer's stored keys, per kv head.
-
-    Args:
-        queries: ``[B, Hq, W, D]``, the last ``W`` queries of this forward.
-        keys: ``[B, Hkv, T, D]`` stored keys, this forward's new ones last (at least ``W``).
-        valid: bool ``[B, T]``; invalid (padding) slots get no attention.
-        scaling: the softmax temperature of the model (``head_dim ** -0.5`` usually).
-
-    Returns:
-        float32 ``[B, Hkv, W, T]``: query ``i`` (slot ``T - W + i``) sees every valid slot up
-        to its own (causal), query heads averaged within each GQA group. A query that sees no
-        valid slot (a padding query) gets a row of zeros.
-    """
-    batch, q_heads, window, dim = queries.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
-    group = q_heads // kv_heads
-    q = queries.float().reshape(batch, kv_heads, group * window, dim)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling
-    logits = logits.view(batch, kv_heads, group, window, length)
-    last_visible = length - window + torch.arange(window, device=keys.device)  # own slot
-    causal = torch.arange(length, device=keys.device)[None, :] <= last_visible[:, None]
-    visible = causal[None, None, None] & valid[:, None, None, None, :]
-    probs = torch.softmax(logits.masked_fill(~visible, -torch.inf), dim=-1).nan_to_num(0.0)
-    return probs.mean(dim=2)
 
 
 def check_pool(pool: Any, spec: ModelSpec) -> None:
