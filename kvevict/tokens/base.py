@@ -47,6 +47,7 @@ __all__ = [
     "TokenPolicy",
     "available_token_policies",
     "check_int",
+    "eager_attention",
     "make_token_policy",
     "newest",
     "oldest",
@@ -257,6 +258,25 @@ def window_attention(queries: Tensor, keys: Tensor, valid: Tensor, scaling: floa
     visible = causal[None, None, None] & valid[:, None, None, None, :]
     probs = torch.softmax(logits.masked_fill(~visible, -torch.inf), dim=-1).nan_to_num(0.0)
     return probs.mean(dim=2)
+
+
+def eager_attention(query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None = None,
+                    scaling: float | None = None) -> tuple[Tensor, Tensor]:
+    """Softmax attention as transformers' eager kernel computes it, with grouped kv heads.
+
+    ``query`` ``[B, Hq, Tq, D]``, ``key`` / ``value`` ``[B, Hkv, Tk, D]``, ``bias`` added to the
+    logits (a float mask, broadcastable to ``[B, Hq, Tq, Tk]``), ``scaling`` default
+    ``D ** -0.5``. Returns the output ``[B, Tq, Hq, Dv]`` and the weights, as an attention
+    function registered with transformers returns them."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1)
+    v = value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    logits = torch.matmul(query, k.transpose(2, 3)) * scale
+    if bias is not None:
+        logits = logits + bias
+    weights = torch.softmax(logits.float(), dim=-1).to(query.dtype)
+    return torch.matmul(weights, v).transpose(1, 2).contiguous(), weights
 
 
 # -- registry ----------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvevict.errors import ConfigError
-from kvevict.tokens.base import register_token_policy
+from kvevict.tokens.base import eager_attention, register_token_policy
 from kvevict.tokens.learned import KVScorer, LearnedTokenPolicy, ScorerShape
 
 __all__ = ["GatedAttention", "LKVToken", "train_lkv_t"]
@@ -71,20 +71,13 @@ class GatedAttention:
         hard = (ctx >= threshold).float()
         soft = F.logsigmoid((ctx - threshold) / self.temperature)
         bias_ctx = (1.0 - hard) * -1e9 + (soft - soft.detach())  # forward: hard; grad: soft
-        groups = query.shape[1] // key.shape[1]
-        k = key.repeat_interleave(groups, dim=1)
-        v = value.repeat_interleave(groups, dim=1)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        logits = torch.matmul(query, k.transpose(2, 3)) * scale
-        if attention_mask is not None:
-            logits = logits + attention_mask[:, :, :, :k.shape[-2]]
-        tq, tk = query.shape[2], k.shape[-2]
+        tq, tk = query.shape[2], key.shape[-2]
         rows = torch.arange(tk - tq, tk, device=query.device) >= c  # queries after the context
         full = F.pad(bias_ctx, (0, tk - c))  # [B, Tk]
         bias = torch.where(rows[None, None, :, None], full[:, None, None, :], 0.0)
-        weights = torch.softmax((logits + bias).float(), dim=-1).to(query.dtype)
-        out = torch.matmul(weights, v).transpose(1, 2).contiguous()
-        return out, weights
+        if attention_mask is not None:
+            bias = bias + attention_mask[:, :, :, :tk]
+        return eager_attention(query, key, value, bias, scaling)
 
 
 def train_lkv_t(forward: Callable[[Tensor, GatedAttention], Tensor],

@@ -36,6 +36,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvevict.errors import ConfigError
 from kvevict.tokens import TOKEN_POLICIES, ScorerShape, TokenPolicy, make_token_policy
+from kvevict.tokens.base import eager_attention
 from kvevict.tokens.quant import QuantizedKV, quantize
 from kvevict.tokens.solver import Tuple, check_tuple, kept_tokens
 from kvevict.tokens.tasks import TaskItem
@@ -51,15 +52,8 @@ def _routed_eager(module: Any, query: Tensor, key: Tensor, value: Tensor,
                   attention_mask: Tensor | None, scaling: float | None = None,
                   dropout: float = 0.0, **_: Any) -> tuple[Tensor, Tensor]:
     """Eager attention with the mask cut to this layer's keys, from the end."""
-    groups = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(groups, dim=1)
-    v = value.repeat_interleave(groups, dim=1)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    logits = torch.matmul(query, k.transpose(2, 3)) * scale
-    if attention_mask is not None:
-        logits = logits + attention_mask[..., -k.shape[-2]:]
-    weights = torch.softmax(logits.float(), dim=-1).to(query.dtype)
-    return torch.matmul(weights, v).transpose(1, 2).contiguous(), weights
+    bias = None if attention_mask is None else attention_mask[..., -key.shape[-2]:]
+    return eager_attention(query, key, value, bias, scaling)
 
 
 @contextmanager
