@@ -30,8 +30,25 @@ from kvevict.tokens import KVScorer, ScorerShape
 from kvevict.tokens.tasks import TASKS, make_items
 
 FRACTIONS = (0.5, 0.25, 0.15, 0.1)
-HEURISTICS = ("streamingllm", "knorm", "h2o", "snapkv", "tova")
+HEURISTICS = ("streamingllm", "knorm", "h2o", "snapkv", "tova", "ema")
 LEARNED = ("lkv_t", "kvp")
+#: Head-granular methods (`kvevict.adapters.hf.heads.HeadCache`): each kv head keeps its own
+#: tokens; ``ema_heads`` with equal counts per head, ``lkv_h`` with the learned budgets.
+HEADS = ("ema_heads", "lkv_h")
+
+
+def head_accuracy(model, items, method: str, fraction: float) -> tuple[float, int]:
+    """Exact match and bytes held of a head-granular method (one batch per answer length)."""
+    from kvevict.adapters.hf.heads import head_answers
+
+    if method == "ema_heads":
+        params = {"scoring": "ema"}
+    else:
+        path = JUDGE_DIR / "lkv_h.safetensors"
+        params = {"scoring": "knorm", "budgets": path if path.is_file() else None}
+    answers, held = head_answers(model, items, fraction, **params)
+    right = sum(a == it.answer for a, it in zip(answers, items, strict=True))
+    return right / len(items), held
 
 
 def policy_params(name: str, model) -> dict:
@@ -53,7 +70,7 @@ def accuracy_grid(model, seeds, items_per_seed, policies, fractions, log=print) 
         rows.append({"task": task, "policy": "full", "fraction": 1.0,
                      "bytes": kv_bytes(model, context), "per_seed": full})
         log(f"{task} full {full}")
-        for name in policies:
+        for name in [p for p in policies if p not in HEADS]:
             for fraction in fractions:
                 acc = [judge_accuracy(model, sets[s], name, fraction=fraction,
                                       **policy_params(name, model)) for s in seeds]
@@ -61,6 +78,12 @@ def accuracy_grid(model, seeds, items_per_seed, policies, fractions, log=print) 
                              "bytes": kv_bytes(model, budget_for(fraction, context)),
                              "per_seed": acc})
                 log(f"{task} {name} {fraction} {acc}")
+        for name in [p for p in policies if p in HEADS]:
+            for fraction in fractions:
+                got = [head_accuracy(model, sets[s], name, fraction) for s in seeds]
+                rows.append({"task": task, "policy": name, "fraction": fraction,
+                             "bytes": max(b for _, b in got), "per_seed": [a for a, _ in got]})
+                log(f"{task} {name} {fraction} {[a for a, _ in got]}")
     for r in rows:
         iv = interval(r["per_seed"])
         r["mean"], r["low"], r["high"] = iv.mean, iv.low, iv.high
@@ -112,7 +135,7 @@ def plot(rows, path: Path) -> None:
             y = [100 * r["mean"] for r in rs]
             err = [[100 * (r["mean"] - r["low"]) for r in rs],
                    [100 * (r["high"] - r["mean"]) for r in rs]]
-            style = "-o" if p in LEARNED else "--s"
+            style = "-o" if p in (*LEARNED, "lkv_h") else "--s"
             ax.errorbar(x, y, yerr=err, fmt=style, ms=4, capsize=2, label=p)
         ax.set_xscale("log")
         ax.set_title(task)
@@ -131,6 +154,7 @@ def decode_cost(model, policies, fraction: float = 0.15, reps: int = 30) -> dict
     from transformers import DynamicCache
 
     from kvevict.adapters.hf import PagedCache
+    from kvevict.adapters.hf.heads import HeadCache, head_attention
     from kvevict.tokens import make_token_policy
 
     item = make_items("needle", 1, length=1024, seed=0)[0]
@@ -139,6 +163,14 @@ def decode_cost(model, policies, fraction: float = 0.15, reps: int = 30) -> dict
 
     def timed(make_cache) -> float:
         cache = make_cache()
+        if isinstance(cache, HeadCache):  # head-granular: compress after the prefill
+            with head_attention(model, cache):
+                model(input_ids=ctx, cache=cache, use_cache=True)
+                cache.compress()
+                model(input_ids=step_ids, cache=cache, use_cache=True)  # warm
+                t = time.perf_counter()
+                model(input_ids=step_ids, cache=cache, use_cache=True)
+                return time.perf_counter() - t
         model(input_ids=ctx, cache=cache, use_cache=True)
         model(input_ids=step_ids, cache=cache, use_cache=True)  # warm
         t = time.perf_counter()
@@ -149,6 +181,10 @@ def decode_cost(model, policies, fraction: float = 0.15, reps: int = 30) -> dict
               "paged (no policy)": lambda: PagedCache(model)}
     budget = budget_for(fraction, len(item.prompt))
     for name in policies:
+        if name in HEADS:
+            scoring = "ema" if name == "ema_heads" else "knorm"
+            makers[name] = lambda s=scoring: HeadCache(model, fraction, scoring=s)
+            continue
         makers[name] = (lambda n=name: PagedCache(model, token_policy=make_token_policy(
             n, budget=budget, **policy_params(n, model))))
     samples: dict[str, list[float]] = {k: [] for k in makers}
@@ -163,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--items", type=int, default=24)
-    ap.add_argument("--policies", nargs="+", default=[*HEURISTICS, *LEARNED])
+    ap.add_argument("--policies", nargs="+", default=[*HEURISTICS, *LEARNED, *HEADS])
     ap.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     ap.add_argument("--out", type=Path, default=Path("docs/img"))
     ap.add_argument("--decode", action="store_true")

@@ -10,13 +10,17 @@ weights). Tests and docs use the shipped weights; this is a one-off.
 
 Recipe: answer-token cross-entropy only (filler is random and unlearnable), AdamW with warm-up,
 several questions per context (a dense signal, as Zoology's MQAR training asks every key), and a
-curriculum that earns its length: contexts start at 56-64 tokens (the records with almost no
-filler between them), and the longest grows by 32
-tokens each step the running answer-token accuracy is at least 0.9, up to 1280 (the mechanism is
-learned cheaply on short contexts, then stretched). The learning rate is constant until the
-curriculum is done (or half the time is spent), then decays on a cosine over the time left.
-Training stops early once every task's held-out exact match is at least ``--target`` on two
-evaluations in a row; the manifest reports a final exact match on 256 fresh items per task.
+curriculum that earns each step. Contexts start short (56-64 tokens) and with few records (4
+recall pairs, 2 needle distractors, 1 variable chain: ``--scale`` 1/6). Each time every task's
+running answer-token accuracy reaches 0.9, the curriculum steps: first the record count grows by
+1/12 of the full task up to the evaluated tasks, then the longest context grows by 32 tokens up to
+1280. The reason is measured: from scratch, 24 pairs in 64 tokens sat on the copy-any-value
+plateau for thousands of steps, while 4 pairs broke out of it (the induction step forms) within
+about 4,000 small steps; see docs/tokens.md. The learning rate is constant until the curriculum is
+done (or half the time is spent), then decays on a cosine over the time left. Training stops
+early once every task's held-out exact match is at least ``--target`` on two evaluations in a
+row; the manifest reports a final exact match on 256 fresh items per task, and the curriculum's
+state so that ``--resume`` continues where it stopped.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvevict.tokens.tasks import TASKS, VOCAB_SIZE, make_items, training_batch
+from kvevict.tokens.tasks import TASKS, VOCAB_SIZE, make_items, min_length, training_batch
 
 OUT = Path(__file__).resolve().parents[1] / "kvevict" / "data" / "judge"
 
@@ -75,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--minutes", type=float, default=60.0)
     ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--tokens-per-step", type=int, default=4096)
+    ap.add_argument("--tokens-per-step", type=int, default=1024)
+    ap.add_argument("--scale", type=float, default=None,
+                    help="the curriculum's starting record scale (default 1/6, or the resumed "
+                         "run's)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target", type=float, default=0.95)
@@ -95,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     model = (LlamaForCausalLM(judge_config()) if args.resume is None
              else LlamaForCausalLM.from_pretrained(args.resume))
-    history = ([] if args.resume is None else
-               json.loads((args.resume / "MANIFEST.json").read_text()).get("history", []))
+    previous = ({} if args.resume is None else
+                json.loads((args.resume / "MANIFEST.json").read_text()))
+    history = previous.get("history", [])
+    state = previous.get("curriculum", {"scale": 2 / 12, "top": 64})
+    if args.scale is not None:
+        state["scale"] = args.scale
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98),
                             weight_decay=0.01)
     warm = 100
@@ -111,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     held = {t: make_items(t, 64, length=1024, seed=10_000 + args.seed) for t in TASKS}
     start = time.perf_counter()
     good_in_a_row, step, log = 0, 0, []
-    top, skill, decay_from = 64, 0.0, None
+    scale, top, decay_from = float(state["scale"]), int(state["top"]), None
+    skill = dict.fromkeys(TASKS, 0.0)
     for step in range(args.steps):
         elapsed = time.perf_counter() - start
-        if top >= 1280 and decay_from is None:
+        if top >= 1280 and scale >= 1.0 and decay_from is None:
             decay_from = (step, elapsed)
         if decay_from is None:  # no decay before the curriculum is done or half the time is
             decay = 0.0 if elapsed < 0.5 * args.minutes * 60 else 1e-9
@@ -126,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         length = int(rng.integers(max(56, top // 2), top + 1))
         rows = max(1, args.tokens_per_step // length)
         tasks = [TASKS[(step + r) % len(TASKS)] for r in range(rows)]
-        ids, targets = training_batch(tasks, length, rng, queries=args.queries)
+        length = max(length, *(min_length(t, scale) for t in tasks))
+        ids, targets = training_batch(tasks, length, rng, queries=args.queries, scale=scale)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, decay)
         logits = model(input_ids=torch.from_numpy(ids)).logits
@@ -136,16 +149,24 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        with torch.no_grad():  # the curriculum: longer contexts once the short ones are read
-            mask = torch.from_numpy(targets) != -100
-            hit = (logits.argmax(-1) == torch.from_numpy(targets))[mask].float().mean().item()
-        skill = 0.9 * skill + 0.1 * hit
-        if skill >= 0.9 and top < 1280:
-            top = min(1280, top + 32)
+        with torch.no_grad():  # the curriculum: more records, then longer contexts, once read
+            tgt = torch.from_numpy(targets)
+            hit = logits.argmax(-1) == tgt
+            for task in set(tasks):
+                rows_of = [r for r, t in enumerate(tasks) if t == task]
+                mask = tgt[rows_of] != -100
+                skill[task] = 0.9 * skill[task] + 0.1 * hit[rows_of][mask].float().mean().item()
+        if min(skill.values()) >= 0.9 and (scale < 1.0 or top < 1280):
+            if scale < 1.0:
+                scale = min(1.0, round(scale + 1 / 12, 6))
+            else:
+                top = min(1280, top + 32)
+            skill = {t: 0.8 for t in TASKS}  # re-earn the step at the new difficulty
         elapsed = time.perf_counter() - start
-        if step % 20 == 0:
-            print(f"step {step} len {length} top {top} loss {loss.item():.4f} answer-token "
-                  f"accuracy {skill:.3f} {elapsed:.0f}s", flush=True)
+        if step % 50 == 0:
+            print(f"step {step} len {length} scale {scale:.3f} top {top} loss {loss.item():.4f} "
+                  "answer-token accuracy " + " ".join(f"{t} {v:.3f}" for t, v in skill.items())
+                  + f" {elapsed:.0f}s", flush=True)
         if (step + 1) % args.eval_every == 0 or elapsed > args.minutes * 60:
             acc = {t: exact_match(model, its) for t, its in held.items()}
             log.append({"step": step + 1, "seconds": round(elapsed), **acc})
@@ -169,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed, "steps": step + 1, "wall_seconds": round(wall),
         "threads": args.threads, "torch": torch.__version__,
         "held_out_exact_match": final, "held_out_items": 256, "eval_log": log,
+        "curriculum": {"scale": scale, "top": top},
         "sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
     }
     (args.out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")

@@ -1,9 +1,10 @@
-"""Train the learned token policies (LKV-T, KVP) on the shipped judge; save them beside it.
+"""Train the learned token policies (LKV-T, KVP, LKV-H) on the shipped judge; save them beside it.
 
     python benchmarks/train_token_policies.py --seed 0
 
 Both train on fresh items of the three tasks (seeds disjoint from every evaluation set) with the
-judge frozen, and write ``lkv_t.safetensors`` and ``kvp.safetensors`` into the judge's folder,
+judge frozen, and write ``lkv_t.safetensors``, ``kvp.safetensors`` and ``lkv_h.safetensors``
+into the judge's folder,
 plus ``TOKEN_POLICIES.json`` (command, seed, wall time per method, SHA-256 of each file).
 
 - LKV-T (`kvevict.tokens.lkv`): end to end through the judge's answer loss, with a
@@ -11,6 +12,9 @@ plus ``TOKEN_POLICIES.json`` (command, seed, wall time per method, SHA-256 of ea
 - KVP (`kvevict.tokens.kvp`): REINFORCE on full-cache generation traces
   (`kvevict.judge.judge_traces`), rewarded by the future attention a ranking keeps at every
   budget.
+- LKV-H (`kvevict.tokens.heads`): per-(layer, head) budgets under the retention target, end to
+  end through the judge's answer loss with a straight-through per-head cut; each head ranks
+  its tokens by key norm, so the budgets are the only thing learned.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 
 from kvevict.judge import JUDGE_DIR, gated_logits, judge_traces, load_judge
+from kvevict.tokens.heads import save_budgets, train_lkv_h
 from kvevict.tokens.kvp import train_kvp
 from kvevict.tokens.learned import ScorerShape, save_scorer
 from kvevict.tokens.lkv import train_lkv_t
@@ -87,7 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     report["kvp_seconds"] = round(time.perf_counter() - start)
     save_scorer(kvp, args.judge / "kvp.safetensors", method="kvp")
 
-    for name in ("lkv_t", "kvp"):
+    start = time.perf_counter()
+    budgets = train_lkv_h(lambda ids, gate: gated_logits(model, ids, gate), batches, shape,
+                          epochs=args.epochs, seed=args.seed, log=lambda m: print(m, flush=True))
+    report["lkv_h_seconds"] = round(time.perf_counter() - start)
+    save_budgets(budgets, args.judge / "lkv_h.safetensors")
+
+    for name in ("lkv_t", "kvp", "lkv_h"):
         data = (args.judge / f"{name}.safetensors").read_bytes()
         report[f"{name}_sha256"] = hashlib.sha256(data).hexdigest()
     (args.judge / "TOKEN_POLICIES.json").write_text(json.dumps(report, indent=1) + "\n")

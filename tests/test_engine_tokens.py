@@ -35,7 +35,7 @@ VOCAB = 64
 ONE_CHUNK = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8)
 #: the policies that need no trained file, with parameters that fit small budgets
 HEURISTICS = {"streamingllm": {"n_sink": 2}, "knorm": {}, "h2o": {},
-              "snapkv": {"window_size": 4}, "tova": {}}
+              "snapkv": {"window_size": 4}, "tova": {}, "ema": {}}
 
 
 def fake_timer(step: float = 1e-4):
@@ -195,7 +195,7 @@ def test_the_policies_change_the_answer_and_layers_choose_apart(llama):
     # agreement with the adapter is not that of two full caches), and the score-based ones
     # keep different tokens in the two layers
     assert sorted(n for n, a in answers.items() if a != full) == sorted(HEURISTICS)
-    assert sorted(apart) == ["h2o", "knorm", "snapkv", "tova"]
+    assert sorted(apart) == ["ema", "h2o", "knorm", "snapkv", "tova"]
 
 
 # -- (3) compacted blocks are never hit ------------------------------------------------------

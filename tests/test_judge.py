@@ -26,7 +26,7 @@ from kvevict.tokens import KVScorer, ScorerShape
 from kvevict.tokens.lkv import GatedAttention
 from kvevict.tokens.tasks import VOCAB_SIZE, make_items
 
-POLICIES = ("streamingllm", "knorm", "h2o", "snapkv", "tova", "lkv_t", "kvp")
+POLICIES = ("streamingllm", "knorm", "h2o", "snapkv", "tova", "ema", "lkv_t", "kvp")
 
 
 @pytest.fixture(scope="module")

@@ -487,7 +487,7 @@ def test_selection_properties(case):
 
 
 def test_registry():
-    assert available_token_policies() == ["h2o", "knorm", "kvp", "lkv_t", "snapkv",
+    assert available_token_policies() == ["ema", "h2o", "knorm", "kvp", "lkv_t", "snapkv",
                                           "streamingllm", "tova"]
     policy = make_token_policy("snapkv", budget=64, window_size=8, kernel_size=7,
                                pooling="max")
@@ -495,7 +495,7 @@ def test_registry():
     assert repr(policy) == "SnapKV(budget=64, window_size=8, kernel_size=7, pooling='max')"
     assert make_token_policy(policy) is policy
     assert not StreamingLLM(8).needs_attention and H2O(8).n_recent == 4
-    with pytest.raises(ConfigError, match="valid names: h2o, knorm, kvp, lkv_t, snapkv, "
+    with pytest.raises(ConfigError, match="valid names: ema, h2o, knorm, kvp, lkv_t, snapkv, "
                                           "streamingllm, tova"):
         make_token_policy("lru", budget=4)
     with pytest.raises(ConfigError, match=r"no parameter.*window.*accepts: budget, n_sink"):

@@ -59,6 +59,22 @@ def test_training_batch_targets_are_the_answers():
     assert (targets[0] != -100).sum() == 2 * 2 and (targets[1] != -100).sum() == 4
 
 
+def test_the_curriculum_scale_shrinks_the_records_and_their_minimum_length():
+    from kvevict.tokens.tasks import min_length
+
+    ids, targets = training_batch(["recall", "needle", "vartrack"], 40,
+                                  np.random.default_rng(1), queries=16, scale=2 / 12)
+    # 4 recall pairs (4 questions of 2 answer tokens), 2 needle distractors (1 question of 4),
+    # 1 chain (1 question of 3 variables and EOS)
+    assert [(targets[r] != -100).sum() for r in range(3)] == [8, 4, 4]
+    needle = ids[1, :40].tolist()
+    assert sum(needle.count(m) for m in range(8, 16)) == 3  # NEEDLE and 2 distractor marks
+    assert [min_length(t, 2 / 12) for t in ("recall", "needle", "vartrack")] == [10, 14, 11]
+    assert [min_length(t) for t in ("recall", "needle", "vartrack")] == [50, 54, 29]
+    with pytest.raises(ConfigError, match=r"scale must be in \(0, 1\]"):
+        training_batch(["recall"], 64, np.random.default_rng(0), scale=0.0)
+
+
 def test_bad_task_arguments():
     with pytest.raises(ConfigError, match="unknown task 'qa'"):
         make_items("qa", 2)

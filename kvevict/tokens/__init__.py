@@ -14,6 +14,7 @@ from kvevict.tokens.base import (
     make_token_policy,
     register_token_policy,
 )
+from kvevict.tokens.heads import EMAAttention, HeadBudgets
 from kvevict.tokens.heuristics import H2O, KeyNorm, SnapKV, StreamingLLM
 from kvevict.tokens.kvp import KVPolicy
 from kvevict.tokens.learned import KVScorer, LearnedTokenPolicy, ScorerShape
@@ -24,6 +25,8 @@ __all__ = [
     "H2O",
     "TOKEN_POLICIES",
     "TOVA",
+    "EMAAttention",
+    "HeadBudgets",
     "KVPolicy",
     "KVScorer",
     "KeyNorm",

@@ -4,8 +4,8 @@ Source: Zhou et al., "LKV: End-to-End Learning of Head-wise Budgets and Token Se
 KV Cache Eviction" (arXiv:2605.06676, 2026). LKV formulates eviction as a differentiable
 problem trained on the task loss; LKV-T is its token selector, a scorer of each stored token's
 K/V that never materialises attention (so it runs beside fused attention kernels), near-lossless
-at 15% retention on LongBench. (LKV-H, its learned per-head budgets, needs a cache whose layers
-and heads keep different counts; kvevict's caches keep one rectangular count per layer.)
+at 15% retention on LongBench. (LKV-H, its learned per-head budgets, is
+`kvevict.tokens.heads`: it needs a cache whose heads keep different counts, `HeadCache`.)
 
 Here: a `KVScorer` (an MLP per layer over ``[k ; v]`` per kv head, heads averaged so the layer's
 selection is shared) is trained with the judge frozen, through a **straight-through top-k

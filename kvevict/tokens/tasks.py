@@ -42,6 +42,7 @@ __all__ = [
     "VOCAB_SIZE",
     "TaskItem",
     "make_items",
+    "min_length",
     "training_batch",
 ]
 
@@ -88,27 +89,39 @@ class TaskItem:
         return self.prompt[-QUESTION_LENGTH:]
 
 
-def _records(task: str, rng: np.random.Generator) -> tuple[list[list[int]], list[tuple]]:
+def _counts(scale: float) -> tuple[int, int, int]:
+    """Records per task at ``scale`` (1 = the evaluated tasks): recall pairs, needle
+    distractors, variable-tracking chains."""
+    if not 0.0 < scale <= 1.0:
+        raise ConfigError(f"scale must be in (0, 1], got {scale!r}")
+    return (max(2, round(_RECALL_PAIRS * scale)), max(1, round(_NEEDLE_DISTRACTORS * scale)),
+            max(1, round(_VT_CHAINS * scale)))
+
+
+def _records(task: str, rng: np.random.Generator, scale: float = 1.0
+             ) -> tuple[list[list[int]], list[tuple]]:
     """The task's records (token runs placed in the filler) and its questions
-    ``(query tokens, answer tokens, index of the record(s) holding the answer)``."""
+    ``(query tokens, answer tokens, index of the record(s) holding the answer)``. ``scale``
+    below 1 shrinks the number of records (the training curriculum's easy end)."""
+    pairs, distractors, chains = _counts(scale)
     if task == "recall":
-        keys = rng.choice(np.arange(*_KEYS), _RECALL_PAIRS, replace=False)
-        values = rng.integers(*_VALUES, size=_RECALL_PAIRS)
+        keys = rng.choice(np.arange(*_KEYS), pairs, replace=False)
+        values = rng.integers(*_VALUES, size=pairs)
         records = [[int(k), int(v)] for k, v in zip(keys, values, strict=True)]
         questions = [([QUERY, int(keys[i])], [int(values[i]), EOS], (i,))
-                     for i in range(_RECALL_PAIRS)]
+                     for i in range(pairs)]
         return records, questions
     if task == "needle":
-        values = rng.integers(*_VALUES, size=(_NEEDLE_DISTRACTORS + 1, 3))
-        marks = rng.choice(_DISTRACTORS, _NEEDLE_DISTRACTORS)
+        values = rng.integers(*_VALUES, size=(distractors + 1, 3))
+        marks = rng.choice(_DISTRACTORS, distractors)
         records = [[NEEDLE, *map(int, values[0])]]
         records += [[int(m), *map(int, v)] for m, v in zip(marks, values[1:], strict=True)]
         return records, [([QUERY, NEEDLE], [*map(int, values[0]), EOS], (0,))]
     if task == "vartrack":
-        names = rng.choice(np.arange(*_KEYS), _CHAIN * _VT_CHAINS, replace=False)
-        roots = rng.choice(np.arange(*_VALUES), _VT_CHAINS, replace=False)
+        names = rng.choice(np.arange(*_KEYS), _CHAIN * chains, replace=False)
+        roots = rng.choice(np.arange(*_VALUES), chains, replace=False)
         records, questions = [], []
-        for c in range(_VT_CHAINS):
+        for c in range(chains):
             chain = [int(roots[c]), *map(int, names[c * _CHAIN:(c + 1) * _CHAIN])]
             first = len(records)
             records += [[VAR, chain[i], chain[i + 1]] for i in range(_CHAIN)]
@@ -118,18 +131,19 @@ def _records(task: str, rng: np.random.Generator) -> tuple[list[list[int]], list
     raise ConfigError(f"unknown task {task!r}; expected one of {list(TASKS)}")
 
 
-def _context(task: str, length: int, rng: np.random.Generator
+def _context(task: str, length: int, rng: np.random.Generator, scale: float = 1.0
              ) -> tuple[list[int], list[tuple], list[list[int]]]:
     """A context of about ``length`` tokens: ``BOS``, the task mark, filler with the records at
     random places (a chain's assignments in order). Returns the tokens, the questions and each
     record's token positions."""
-    records, questions = _records(task, rng)
+    records, questions = _records(task, rng, scale)
     if task != "vartrack":
         order = rng.permutation(len(records))
     else:  # each chain's assignments stay in order; chains interleave
-        owner = np.repeat(np.arange(_VT_CHAINS), _CHAIN)
+        chains = len(records) // _CHAIN
+        owner = np.repeat(np.arange(chains), _CHAIN)
         rng.shuffle(owner)
-        nxt = [c * _CHAIN for c in range(_VT_CHAINS)]
+        nxt = [c * _CHAIN for c in range(chains)]
         order = []
         for c in owner:
             order.append(nxt[c])
@@ -168,14 +182,27 @@ def make_items(task: str, count: int, *, length: int = 1024, seed: int = 0) -> l
     return items
 
 
+def min_length(task: str, scale: float = 1.0) -> int:
+    """The shortest context ``task`` fits in at ``scale``: ``BOS``, the mark and the records."""
+    pairs, distractors, chains = _counts(scale)
+    records = {"recall": 2 * pairs, "needle": 4 * (distractors + 1),
+               "vartrack": 3 * _CHAIN * chains}
+    if task not in records:
+        raise ConfigError(f"unknown task {task!r}; expected one of {list(TASKS)}")
+    return 2 + records[task]
+
+
 def training_batch(tasks: Sequence[str], length: int, rng: np.random.Generator,
-                   *, queries: int = 4) -> tuple[np.ndarray, np.ndarray]:
+                   *, queries: int = 4, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """One sequence per entry of ``tasks``: a context of about ``length`` tokens, then
     ``queries`` questions with their answers. Returns ``(ids, targets)``, int64 ``[B, T]``;
-    ``targets`` is -100 except where the next token is an answer token (the training loss)."""
+    ``targets`` is -100 except where the next token is an answer token (the training loss).
+    ``scale`` in (0, 1] shrinks the number of records per context (recall pairs, needle
+    distractors, variable chains) for the curriculum's early steps; evaluation items
+    (`make_items`) always use the full tasks."""
     rows = []
     for task in tasks:
-        tokens, questions, _ = _context(task, length, rng)
+        tokens, questions, _ = _context(task, length, rng, scale)
         target = [-100] * len(tokens)
         picks = rng.choice(len(questions), min(queries, len(questions)), replace=False)
         for q in picks:
