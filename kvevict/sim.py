@@ -47,7 +47,7 @@ from kvevict.errors import ConfigError
 from kvevict.layout import KVLayout
 from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy
-from kvevict.policies.registry import build_policy, is_offline
+from kvevict.policies.registry import POLICIES, build_policy, is_offline
 from kvevict.pool import BlockPool
 from kvevict.run import CostModelExecutor, RunCollector, SimResult, TierTransfers, drive
 from kvevict.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -234,7 +234,11 @@ def simulate(requests: Iterable[Request], policy: str | Policy = "lru", *,
         manager = KVCacheManager(pool, policy, clock=clock, admission=admission, tiers=stack,
                                  **(policy_params or {}))
     else:
-        policy_obj = build_policy(policy, policy_params, requests=ordered if offline else None,
+        params = dict(policy_params or {})
+        if (cost is not None and isinstance(policy, str) and not offline and policy in POLICIES
+                and "cost_model" in POLICIES.parameters(policy) and "cost_model" not in params):
+            params["cost_model"] = cost  # price with the box's costs, as the executor charges
+        policy_obj = build_policy(policy, params, requests=ordered if offline else None,
                                   block_size=block_size,
                                   time_axis="arrival" if timing else "index")
         stack = None if tiers is None else tiers.stack(cost or CostModel(), policy)

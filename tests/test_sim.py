@@ -467,3 +467,31 @@ def test_capacity_arguments():
 def test_empty_request_list(empty):
     with pytest.raises(ConfigError, match="at least one request"):
         simulate(empty, "lru", capacity_blocks=8)
+
+
+def test_a_value_policy_by_name_is_priced_with_the_simulated_box_costs():
+    """An untiered run builds ``market`` (and any policy taking ``cost_model``) with the cost
+    model the executor charges, not the default one; explicit parameters win."""
+    from kvevict.policies.lru import LRU
+    from kvevict.policies.registry import POLICIES, register_policy
+
+    seen = []
+
+    @register_policy("probe_cost")
+    class Probe(LRU):
+        def __init__(self, cost_model: CostModel | None = None) -> None:
+            super().__init__()
+            seen.append(cost_model)
+
+    try:
+        box = CostModel(linear_s_per_token=1e-3)
+        requests = [Request(f"r{i}", tokens=list(range(40)), arrival=i * 0.5, output_len=2)
+                    for i in range(3)]
+        simulate(requests, "probe_cost", capacity_blocks=64, block_size=8, cost=box)
+        own = CostModel(linear_s_per_token=2e-3)
+        simulate(requests, "probe_cost", capacity_blocks=64, block_size=8, cost=box,
+                 policy_params={"cost_model": own})
+        simulate(requests, "probe_cost", capacity_blocks=64, block_size=8)
+    finally:
+        POLICIES.unregister("probe_cost")
+    assert seen[0] is box and seen[1] is own and seen[2] is None
