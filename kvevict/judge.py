@@ -28,7 +28,7 @@ import torch
 
 from kvevict.errors import ConfigError
 from kvevict.tokens import TokenPolicy, make_token_policy
-from kvevict.tokens.tasks import TaskItem
+from kvevict.tokens.tasks import TaskItem, batches
 
 __all__ = ["JUDGE_DIR", "budget_for", "judge_accuracy", "judge_answers", "kv_bytes",
            "load_judge"]
@@ -90,11 +90,8 @@ def judge_answers(model: Any, items: Sequence[TaskItem], policy: str | TokenPoli
     from kvevict.adapters.hf import PagedCache
 
     out: list[tuple[int, ...]] = []
-    for start in range(0, len(items), batch):
-        chunk = items[start:start + batch]
+    for chunk in batches(items, batch):
         ctx_len, ans_len = len(chunk[0].context), len(chunk[0].answer)
-        if any(len(it.context) != ctx_len or len(it.answer) != ans_len for it in chunk):
-            raise ConfigError("items of one batch must share their context and answer lengths")
         if policy is None:
             cache = PagedCache(model)
         else:
@@ -135,8 +132,7 @@ def judge_traces(model: Any, items: Sequence[TaskItem], *, batch: int = 8
     cfg = model.config
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     traces = []
-    for start in range(0, len(items), batch):
-        chunk = items[start:start + batch]
+    for chunk in batches(items, batch):
         ctx = len(chunk[0].context)
         ids = torch.tensor([(*it.prompt, *it.answer[:-1]) for it in chunk])
         cache = DynamicCache(config=cfg)

@@ -11,11 +11,10 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
+from engine_clock import fake_timer
 
 from kvevict.cost import CostModel
 from kvevict.engine import LlamaModel, ModelConfig
@@ -34,11 +33,6 @@ BLOCK = 16
 VOCAB = 64
 CONFIG = SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=6)
 
-
-def fake_timer(step: float = 1e-4):
-    """A reproducible clock for the executor: every reading is ``step`` seconds later."""
-    counter = itertools.count()
-    return lambda: next(counter) * step
 
 
 @pytest.fixture(scope="module")

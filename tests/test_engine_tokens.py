@@ -13,11 +13,10 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
+from engine_clock import fake_timer
 
 from kvevict.engine import LlamaModel, ModelConfig, run_engine
 from kvevict.engine.executor import EngineExecutor
@@ -37,11 +36,6 @@ ONE_CHUNK = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8)
 HEURISTICS = {"streamingllm": {"n_sink": 2}, "knorm": {}, "h2o": {},
               "snapkv": {"window_size": 4}, "tova": {}, "ema": {}}
 
-
-def fake_timer(step: float = 1e-4):
-    """Every reading ``step`` seconds later: the same steps, whatever the policy costs."""
-    counter = itertools.count()
-    return lambda: next(counter) * step
 
 
 @pytest.fixture(scope="module")

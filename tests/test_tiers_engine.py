@@ -13,13 +13,13 @@ tensor) and a disk tier (checksummed files in a temp dir) below the engine's poo
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import shutil
 
 import pytest
 import torch
+from engine_clock import fake_timer
 
 from kvevict.admission import Admission, AdmissionDecision
 from kvevict.cli import main
@@ -49,10 +49,6 @@ CONFIG = SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=6)
 LAYOUTS = {"gqa": 2, "mha": 4, "mqa": 1}  # kv heads of a 4-head model
 TOL = {"atol": 1e-5, "rtol": 1e-5}  # float32 logits of one prefix, computed in other shapes
 
-
-def fake_timer(step: float = 1e-4):
-    counter = itertools.count()
-    return lambda: next(counter) * step
 
 
 def tiny(dtype=torch.float32, kv_heads=2) -> LlamaModel:

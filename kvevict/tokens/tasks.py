@@ -41,6 +41,7 @@ __all__ = [
     "TASKS",
     "VOCAB_SIZE",
     "TaskItem",
+    "batches",
     "make_items",
     "min_length",
     "training_batch",
@@ -163,6 +164,19 @@ def _context(task: str, length: int, rng: np.random.Generator, scale: float = 1.
         start = int(cut)
     tokens += map(int, filler[start:])
     return tokens, questions, where
+
+
+def batches(items: Sequence[TaskItem], size: int) -> list[Sequence[TaskItem]]:
+    """``items`` in consecutive batches of at most ``size``, each checked to share its context
+    and answer lengths (one unpadded tensor per batch); `ConfigError` otherwise."""
+    out = []
+    for start in range(0, len(items), size):
+        chunk = items[start:start + size]
+        if any(len(it.context) != len(chunk[0].context) or len(it.answer) != len(chunk[0].answer)
+               for it in chunk):
+            raise ConfigError("items of one batch must share their context and answer lengths")
+        out.append(chunk)
+    return out
 
 
 def make_items(task: str, count: int, *, length: int = 1024, seed: int = 0) -> list[TaskItem]:

@@ -38,7 +38,7 @@ from kvevict.tokens.heads import (
     select_heads,
 )
 from kvevict.tokens.learned import KVScorer, ScorerShape
-from kvevict.tokens.tasks import TaskItem
+from kvevict.tokens.tasks import TaskItem, batches
 
 __all__ = ["HEAD_ATTENTION", "HeadCache", "HeadLayer", "head_answers", "head_attention"]
 
@@ -249,11 +249,7 @@ def head_answers(model: Any, items: Sequence[TaskItem], retention: float, *,
     held right after the compression (the most over the batches)."""
     answers: list[tuple[int, ...]] = []
     held = 0
-    for start in range(0, len(items), batch):
-        chunk = items[start:start + batch]
-        if any(len(it.context) != len(chunk[0].context) or len(it.answer) != len(chunk[0].answer)
-               for it in chunk):
-            raise ConfigError("items of one batch must share their context and answer lengths")
+    for chunk in batches(items, batch):
         cache = HeadCache(model, retention, scoring=scoring, budgets=budgets, decay=decay)
         with head_attention(model, cache):
             model(input_ids=torch.tensor([it.context for it in chunk]), cache=cache,

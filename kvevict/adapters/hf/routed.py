@@ -39,7 +39,7 @@ from kvevict.tokens import TOKEN_POLICIES, ScorerShape, TokenPolicy, make_token_
 from kvevict.tokens.base import eager_attention
 from kvevict.tokens.quant import QuantizedKV, quantize
 from kvevict.tokens.solver import Tuple, check_tuple, kept_tokens
-from kvevict.tokens.tasks import TaskItem
+from kvevict.tokens.tasks import TaskItem, batches
 
 __all__ = ["ROUTED_ATTENTION", "RoutedCache", "RoutedLayer", "attention_function", "calibrate",
            "routed_answers", "routed_attention"]
@@ -275,9 +275,7 @@ def _compressed(model: Any, items: Sequence[TaskItem], routing: Sequence[Any],
                 token_policy: str | TokenPolicy, token_params: dict[str, Any] | None
                 ) -> RoutedCache:
     """A `RoutedCache` holding ``items``' contexts, prefilled and compressed."""
-    if any(len(it.context) != len(items[0].context) or len(it.answer) != len(items[0].answer)
-           for it in items):
-        raise ConfigError("items of one batch must share their context and answer lengths")
+    (items,) = batches(items, len(items))  # one batch: equal lengths, checked
     cache = RoutedCache(model, routing, token_policy=token_policy, token_params=token_params)
     model(input_ids=torch.tensor([it.context for it in items]), cache=cache, use_cache=True)
     cache.compress()
