@@ -88,6 +88,7 @@ def judge_answers(model: Any, items: Sequence[TaskItem], policy: str | TokenPoli
     ``params`` go to `make_token_policy`; a fresh policy is built per batch (a policy
     instance is used as given, so pass a name for batches)."""
     from kvevict.adapters.hf import PagedCache
+    from kvevict.adapters.hf.routed import greedy_answers
 
     out: list[tuple[int, ...]] = []
     for chunk in batches(items, batch):
@@ -102,10 +103,7 @@ def judge_answers(model: Any, items: Sequence[TaskItem], policy: str | TokenPoli
         context = torch.tensor([it.context for it in chunk])
         prompt = torch.tensor([it.prompt for it in chunk])
         model(input_ids=context, cache=cache, use_cache=True)
-        gen = model.generate(input_ids=prompt, cache=cache, do_sample=False,
-                             max_new_tokens=ans_len, min_new_tokens=ans_len,
-                             pad_token_id=model.config.pad_token_id)
-        out += [tuple(row) for row in gen[:, prompt.shape[1]:].tolist()]
+        out += greedy_answers(model, prompt, cache, ans_len)
     return out
 
 

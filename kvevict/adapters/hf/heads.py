@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvevict.adapters.hf.routed import attention_function
+from kvevict.adapters.hf.routed import attention_function, greedy_answers
 from kvevict.errors import ConfigError
 from kvevict.tokens.base import eager_attention
 from kvevict.tokens.heads import (
@@ -258,8 +258,5 @@ def head_answers(model: Any, items: Sequence[TaskItem], retention: float, *,
             held = max(held, cache.nbytes() // len(chunk))
             prompt = torch.tensor([it.prompt for it in chunk])
             n = len(chunk[0].answer)
-            gen = model.generate(input_ids=prompt, cache=cache, do_sample=False,
-                                 max_new_tokens=n, min_new_tokens=n,
-                                 pad_token_id=model.config.pad_token_id)
-        answers += [tuple(r) for r in gen[:, prompt.shape[1]:].tolist()]
+            answers += greedy_answers(model, prompt, cache, n)
     return answers, held

@@ -42,7 +42,7 @@ from kvevict.tokens.solver import Tuple, check_tuple, kept_tokens
 from kvevict.tokens.tasks import TaskItem, batches
 
 __all__ = ["ROUTED_ATTENTION", "RoutedCache", "RoutedLayer", "attention_function", "calibrate",
-           "routed_answers", "routed_attention"]
+           "greedy_answers", "routed_answers", "routed_attention"]
 
 #: The attention implementation name `routed_attention` registers.
 ROUTED_ATTENTION = "kvevict_routed"
@@ -79,6 +79,19 @@ def routed_attention(model: Any, restore: str = "eager") -> Any:
     """The attention a `RoutedCache` needs (`attention_function` with the mask cut to each
     layer's keys from the end), as a context manager."""
     return attention_function(model, ROUTED_ATTENTION, _routed_eager, restore)
+
+
+def greedy_answers(model: Any, prompt: Tensor, cache: Any, n: int) -> list[tuple[int, ...]]:
+    """Each row's greedy continuation of ``prompt`` through ``generate()`` with ``cache`` (which
+    may already hold a prefix of it): ``n`` tokens, ending where the model ends it. A row that
+    ends (``EOS``) early is right-padded with the pad token, so an answer that stops too soon
+    never equals one of ``n`` tokens. ``EOS`` is not suppressed: the tasks' answers end with it.
+    """
+    pad = model.config.pad_token_id
+    gen = model.generate(input_ids=prompt, cache=cache, do_sample=False, max_new_tokens=n,
+                         pad_token_id=pad)
+    rows = gen[:, prompt.shape[1]:].tolist()
+    return [tuple(r) + (pad,) * (n - len(r)) for r in rows]
 
 
 class RoutedLayer(CacheLayerMixin):
@@ -264,10 +277,7 @@ def routed_answers(model: Any, items: Sequence[TaskItem], routing: Sequence[Any]
             held = max(held, cache.nbytes() // len(chunk))
             prompt = torch.tensor([it.prompt for it in chunk])
             n = len(chunk[0].answer)
-            gen = model.generate(input_ids=prompt, cache=cache, do_sample=False,
-                                 max_new_tokens=n, min_new_tokens=n,
-                                 pad_token_id=model.config.pad_token_id)
-            answers += [tuple(r) for r in gen[:, prompt.shape[1]:].tolist()]
+            answers += greedy_answers(model, prompt, cache, n)
     return answers, held
 
 
