@@ -40,3 +40,24 @@ def test_golden_full_cache_and_streamingllm_accuracy(judge):
         stream[task] = judge_accuracy(judge, items, "streamingllm", fraction=0.15)
     assert full == {"recall": 1.0, "needle": 0.9375, "vartrack": 0.9375}
     assert stream == {"recall": 0.0625, "needle": 0.1875, "vartrack": 0.0}
+
+
+def test_the_learned_token_policies_parameters_load_for_the_judge(judge):
+    """LKV-T, KVP and LKV-H were trained on this judge: their files match the report's digests
+    and load for its shape (a file for another shape is refused, tests/test_tokens_heads.py)."""
+    import hashlib
+
+    from kvevict.tokens import ScorerShape, make_token_policy
+    from kvevict.tokens.heads import load_budgets
+
+    report = json.loads((JUDGE_DIR / "TOKEN_POLICIES.json").read_text())
+    for name in ("lkv_t", "kvp", "lkv_h"):
+        data = (JUDGE_DIR / f"{name}.safetensors").read_bytes()
+        assert hashlib.sha256(data).hexdigest() == report[f"{name}_sha256"]
+    shape = ScorerShape.of(judge)
+    for name in ("lkv_t", "kvp"):
+        policy = make_token_policy(name, budget=154, scorer=JUDGE_DIR / f"{name}.safetensors",
+                                   shape=shape)
+        assert policy.scorer.shape == shape
+    counts = load_budgets(JUDGE_DIR / "lkv_h.safetensors", shape).counts(0.15, 1024)
+    assert int(counts.sum()) == round(0.15 * 1024 * 4 * 2)
