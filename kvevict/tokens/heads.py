@@ -41,6 +41,7 @@ from kvevict.errors import ConfigError
 from kvevict.tokens.base import eager_attention, register_token_policy
 from kvevict.tokens.heuristics import H2O
 from kvevict.tokens.learned import KVScorer, ScorerShape
+from kvevict.tokens.lkv import train_through
 
 __all__ = [
     "DEFAULT_DECAY",
@@ -324,23 +325,7 @@ def train_lkv_h(forward: Callable[[Tensor, HeadGate], Tensor],
     for r in retentions:
         check_retention(r)
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
     budgets = HeadBudgets(shape)
-    gate = HeadGate(budgets, scoring)
-    opt = torch.optim.Adam(budgets.parameters(), lr=lr)
-    step = 0
-    for _ in range(epochs):
-        for ids, targets, context in batches:
-            gate.context = context
-            gate.retention = float(retentions[int(torch.randint(len(retentions), (1,),
-                                                                generator=gen))])
-            logits = forward(ids, gate)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                   targets.reshape(-1), ignore_index=-100)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if log is not None and step % 20 == 0:
-                log(f"lkv_h step {step} retention {gate.retention} loss {loss.item():.4f}")
-            step += 1
+    train_through(forward, HeadGate(budgets, scoring), budgets, batches, retentions,
+                  epochs=epochs, lr=lr, seed=seed, log=log, tag="lkv_h")
     return budgets.eval()

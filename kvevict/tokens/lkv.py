@@ -30,7 +30,7 @@ from kvevict.errors import ConfigError
 from kvevict.tokens.base import eager_attention, register_token_policy
 from kvevict.tokens.learned import KVScorer, LearnedTokenPolicy, ScorerShape
 
-__all__ = ["GatedAttention", "LKVToken", "train_lkv_t"]
+__all__ = ["GatedAttention", "LKVToken", "train_lkv_t", "train_through"]
 
 
 @register_token_policy("lkv_t")
@@ -94,10 +94,21 @@ def train_lkv_t(forward: Callable[[Tensor, GatedAttention], Tensor],
         if not 0.0 < r <= 1.0:
             raise ConfigError(f"retention fractions must be in (0, 1], got {r!r}")
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
     scorer = KVScorer(shape, hidden)
-    gate = GatedAttention(scorer)
-    opt = torch.optim.Adam(scorer.parameters(), lr=lr)
+    train_through(forward, GatedAttention(scorer), scorer, batches, retentions, epochs=epochs,
+                  lr=lr, seed=seed, log=log, tag="lkv_t")
+    return scorer.eval()
+
+
+def train_through(forward: Callable[[Tensor, Any], Tensor], gate: Any, module: torch.nn.Module,
+                  batches: Sequence[tuple[Tensor, Tensor, int]], retentions: Sequence[float],
+                  *, epochs: int, lr: float, seed: int,
+                  log: Callable[[str], None] | None, tag: str) -> None:
+    """The loop LKV-T and LKV-H share: per batch, set ``gate``'s context and a retention drawn
+    from ``retentions`` (seeded), run ``forward(ids, gate)`` through the frozen judge, and take an
+    Adam step on ``module``'s parameters against the answers' cross-entropy."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(module.parameters(), lr=lr)
     step = 0
     for _ in range(epochs):
         for ids, targets, context in batches:
@@ -111,6 +122,5 @@ def train_lkv_t(forward: Callable[[Tensor, GatedAttention], Tensor],
             loss.backward()
             opt.step()
             if log is not None and step % 20 == 0:
-                log(f"lkv_t step {step} retention {gate.retention} loss {loss.item():.4f}")
+                log(f"{tag} step {step} retention {gate.retention} loss {loss.item():.4f}")
             step += 1
-    return scorer.eval()

@@ -24,7 +24,11 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvevict.adapters.hf.routed import attention_function, greedy_answers
+from kvevict.adapters.hf.routed import (
+    attention_function,
+    full_attention_layers,
+    greedy_answers,
+)
 from kvevict.errors import ConfigError
 from kvevict.tokens.base import eager_attention
 from kvevict.tokens.heads import (
@@ -169,12 +173,7 @@ class HeadCache(Cache):
     def __init__(self, model: Any, retention: float, *, scoring: str | KVScorer = "ema",
                  budgets: HeadBudgets | str | Path | None = None,
                  decay: float = DEFAULT_DECAY) -> None:
-        cfg = model.config
-        layers = cfg.num_hidden_layers
-        kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
-        if any(k != "full_attention" for k in kinds):
-            raise ConfigError("HeadCache needs a model whose layers are all full attention, "
-                              f"got layer types {sorted(set(kinds))}")
+        layers = full_attention_layers(model, "HeadCache")
         self.retention = check_retention(retention)
         shape = ScorerShape.of(model)
         if isinstance(budgets, (str, Path)):

@@ -42,7 +42,7 @@ from kvevict.tokens.solver import Tuple, check_tuple, kept_tokens
 from kvevict.tokens.tasks import TaskItem, batches
 
 __all__ = ["ROUTED_ATTENTION", "RoutedCache", "RoutedLayer", "attention_function", "calibrate",
-           "greedy_answers", "routed_answers", "routed_attention"]
+           "full_attention_layers", "greedy_answers", "routed_answers", "routed_attention"]
 
 #: The attention implementation name `routed_attention` registers.
 ROUTED_ATTENTION = "kvevict_routed"
@@ -79,6 +79,18 @@ def routed_attention(model: Any, restore: str = "eager") -> Any:
     """The attention a `RoutedCache` needs (`attention_function` with the mask cut to each
     layer's keys from the end), as a context manager."""
     return attention_function(model, ROUTED_ATTENTION, _routed_eager, restore)
+
+
+def full_attention_layers(model: Any, who: str) -> int:
+    """The number of ``model``'s layers; `ConfigError` (naming ``who``) unless every one is full
+    attention (the caches that compress after the prefill cut one mask per layer or head)."""
+    cfg = model.config
+    layers = cfg.num_hidden_layers
+    kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
+    if any(k != "full_attention" for k in kinds):
+        raise ConfigError(f"{who} needs a model whose layers are all full attention, got layer "
+                          f"types {sorted(set(kinds))}")
+    return layers
 
 
 def greedy_answers(model: Any, prompt: Tensor, cache: Any, n: int) -> list[tuple[int, ...]]:
@@ -199,12 +211,7 @@ class RoutedCache(Cache):
     def __init__(self, model: Any, routing: Sequence[Any], *,
                  token_policy: str | TokenPolicy = "knorm",
                  token_params: dict[str, Any] | None = None) -> None:
-        cfg = model.config
-        layers = cfg.num_hidden_layers
-        kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
-        if any(k != "full_attention" for k in kinds):
-            raise ConfigError("RoutedCache needs a model whose layers are all full attention, "
-                              f"got layer types {sorted(set(kinds))}")
+        layers = full_attention_layers(model, "RoutedCache")
         routes = [check_tuple(tuple(t)) for t in routing]
         if len(routes) != layers:
             raise ConfigError(f"routing has {len(routes)} tuples but the model has {layers} "
