@@ -40,3 +40,26 @@ def build(kind: str = "llama", **overrides):
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model.eval()
+
+
+def judge_shaped(vocab_size: int):
+    """A seeded random model of the judge's shape, smaller (2 layers, 4 query and 2 kv heads,
+    eager attention), with the tasks' special tokens (pad 0, BOS 1, EOS 2)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=False,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                      attn_implementation="eager")
+    return LlamaForCausalLM(cfg).eval()
+
+
+def plain_answers(model, items):
+    """The reference: ``generate()`` with a DynamicCache over each item's whole prompt. It stops
+    at EOS (the answers end with it); a row that stopped early is padded to the answer length."""
+    prompt = torch.tensor([it.prompt for it in items])
+    n = len(items[0].answer)
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt, do_sample=False, max_new_tokens=n,
+                             pad_token_id=0)
+    return [tuple(r) + (0,) * (n - len(r)) for r in out[:, prompt.shape[1]:].tolist()]

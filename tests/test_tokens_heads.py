@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM
+from hf_models import judge_shaped, plain_answers
 
 from kvevict.adapters.hf.heads import HeadCache, head_answers, head_attention
 from kvevict.errors import ConfigError
@@ -31,23 +31,7 @@ from kvevict.tokens.tasks import VOCAB_SIZE, make_items, training_batch
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, tie_word_embeddings=False,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                      attn_implementation="eager")
-    return LlamaForCausalLM(cfg).eval()
-
-
-def plain(model, items):
-    prompt = torch.tensor([it.prompt for it in items])
-    n = len(items[0].answer)
-    with torch.no_grad():
-        out = model.generate(input_ids=prompt, do_sample=False, max_new_tokens=n,
-                             pad_token_id=0)
-    # stops at EOS (the answers end with it); a row that stopped early is padded to n
-    return [tuple(r) + (0,) * (n - len(r)) for r in out[:, prompt.shape[1]:].tolist()]
+    return judge_shaped(VOCAB_SIZE)
 
 
 # -- allocation and selection ----------------------------------------------------------------
@@ -109,7 +93,7 @@ def test_ema_attention_is_the_recurrence_from_a_previous_state():
 def test_full_retention_is_token_identical_to_dynamic_cache(model, scoring):
     items = make_items("needle", 3, length=96, seed=4)
     answers, held = head_answers(model, items, 1.0, scoring=scoring)
-    assert answers == plain(model, items)
+    assert answers == plain_answers(model, items)
     # 2 layers x 2 kv heads x (K, V) x 16 dims x 4 bytes x 96 context tokens
     assert held == 2 * 2 * 2 * 16 * 4 * 96
 
