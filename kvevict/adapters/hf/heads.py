@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from kvevict.adapters.hf.routed import (
+    ResidualLayer,
     attention_function,
     full_attention_layers,
     greedy_answers,
@@ -50,27 +51,16 @@ __all__ = ["HEAD_ATTENTION", "HeadCache", "HeadLayer", "head_answers", "head_att
 HEAD_ATTENTION = "kvevict_heads"
 
 
-class HeadLayer(CacheLayerMixin):
+class HeadLayer(ResidualLayer):
     """One layer of a `HeadCache`: per kv head, its kept context tokens; then the residual."""
 
-    is_sliding = False
-    is_compileable = False
-
     def __init__(self, layer_idx: int, decay: float) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
+        super().__init__(layer_idx)
         self.decay = decay
-        self.seen = 0
         #: Per kv head ``(keys [B, n, D], values [B, n, Dv], positions [B, n])`` once compressed.
         self.kept: list[tuple[Tensor, Tensor, Tensor]] | None = None
         #: The heads' attention EMA ``[B, Hkv, T]`` over the prefill (before compression).
         self.ema: Tensor | None = None
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states[:, :, :0]
-        self.values = value_states[:, :, :0]
-        self.is_initialized = True
 
     @property
     def compressed(self) -> bool:
@@ -85,11 +75,7 @@ class HeadLayer(CacheLayerMixin):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any,
                **kwargs: Any) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.seen += key_states.shape[-2]
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.append(key_states, value_states)
         return self.keys, self.values
 
     def record(self, weights: Tensor) -> None:
@@ -149,12 +135,6 @@ class HeadLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         stored = self.residual + (max(self.kept_counts()) if self.kept else 0)
         return stored + query_length, self.seen - stored
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class HeadCache(Cache):

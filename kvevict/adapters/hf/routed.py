@@ -41,8 +41,9 @@ from kvevict.tokens.quant import QuantizedKV, quantize
 from kvevict.tokens.solver import Tuple, check_tuple, kept_tokens
 from kvevict.tokens.tasks import TaskItem, batches
 
-__all__ = ["ROUTED_ATTENTION", "RoutedCache", "RoutedLayer", "attention_function", "calibrate",
-           "full_attention_layers", "greedy_answers", "routed_answers", "routed_attention"]
+__all__ = ["ROUTED_ATTENTION", "ResidualLayer", "RoutedCache", "RoutedLayer", "attention_function",
+           "calibrate", "full_attention_layers", "greedy_answers", "routed_answers",
+           "routed_attention"]
 
 #: The attention implementation name `routed_attention` registers.
 ROUTED_ATTENTION = "kvevict_routed"
@@ -106,28 +107,51 @@ def greedy_answers(model: Any, prompt: Tensor, cache: Any, n: int) -> list[tuple
     return [tuple(r) + (pad,) * (n - len(r)) for r in rows]
 
 
-class RoutedLayer(CacheLayerMixin):
-    """One layer of a `RoutedCache`: quantized kept context tokens, then a full-precision
-    residual of the tokens fed after the compression."""
+class ResidualLayer(CacheLayerMixin):
+    """A layer that compresses its context once, after the prefill, and keeps every later token
+    in full precision after it (the residual, in ``keys`` / ``values``). `RoutedLayer` and
+    `kvevict.adapters.hf.heads.HeadLayer` add what they keep of the context."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, layer_idx: int, route: Tuple) -> None:
+    def __init__(self, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.route = route
-        self.seen = 0
-        self.compressed = False
-        self.kept_positions: Tensor | None = None  #: [B, K] once compressed
-        self.qkeys: QuantizedKV | Tensor | None = None
-        self.qvalues: QuantizedKV | Tensor | None = None
+        self.seen = 0  #: tokens fed so far (the sequence length)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys = key_states[:, :, :0]
         self.values = value_states[:, :, :0]
         self.is_initialized = True
+
+    def append(self, key_states: Tensor, value_states: Tensor) -> None:
+        """Add a forward's new tokens to the residual."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RoutedLayer(ResidualLayer):
+    """One layer of a `RoutedCache`: quantized kept context tokens, then a full-precision
+    residual of the tokens fed after the compression."""
+
+    def __init__(self, layer_idx: int, route: Tuple) -> None:
+        super().__init__(layer_idx)
+        self.route = route
+        self.compressed = False
+        self.kept_positions: Tensor | None = None  #: [B, K] once compressed
+        self.qkeys: QuantizedKV | Tensor | None = None
+        self.qvalues: QuantizedKV | Tensor | None = None
 
     @property
     def stored(self) -> int:
@@ -145,11 +169,7 @@ class RoutedLayer(CacheLayerMixin):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any,
                **kwargs: Any) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.seen += key_states.shape[-2]
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.append(key_states, value_states)
         if not self.compressed:
             return self.keys, self.values
         k, v = self._dequantized()
@@ -188,12 +208,6 @@ class RoutedLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.stored + query_length, self.seen - self.stored
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class RoutedCache(Cache):
