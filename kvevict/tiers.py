@@ -523,6 +523,52 @@ def _make_store(store: Any) -> Any:
                       f"{store!r}")
 
 
+# -- the lower-tier index ----------------------------------------------------------------------
+
+
+class BlockIndex:
+    """Every lower-tier block of one `TierStack`, by hash and by parent hash.
+
+    The stack owns it and reads it (a lookup, a block's children below the pool); its tiers
+    keep it, each entering a block in the same step as it takes the block into a slot and
+    taking it out as it frees the slot, so a move costs no separate indexing pass.
+
+    ``blocks`` maps a hash to its record. ``children`` maps a parent hash to the records of
+    its children below the pool: the child's record itself while it has one (the common
+    case: a chain), a dict of them by hash (in the order they were placed) once a second
+    child joins; a tier taking a child out deletes the entry once no child is left. Read
+    children with `children_of`.
+    """
+
+    __slots__ = ("blocks", "children")
+
+    def __init__(self) -> None:
+        self.blocks: dict[Any, BlockInfo] = {}
+        self.children: dict[Any, Any] = {}
+
+    def add(self, block: BlockInfo) -> None:
+        """Enter ``block`` (just placed in a tier)."""
+        h = block.block_hash
+        self.blocks[h] = block
+        if block.depth > 0:
+            children, parent = self.children, block.parent_hash
+            kids = children.get(parent)
+            if kids is None:
+                children[parent] = block
+            elif kids.__class__ is dict:
+                kids[h] = block
+            else:
+                children[parent] = {kids.block_hash: kids, h: block}
+
+    def children_of(self, block_hash: Any) -> list[BlockInfo]:
+        """The lower-tier children of the block with this hash, in the order they were
+        placed."""
+        kids = self.children.get(block_hash)
+        if kids is None:
+            return []
+        return list(kids.values()) if kids.__class__ is dict else [kids]
+
+
 # -- one tier -------------------------------------------------------------------------------
 
 
@@ -542,7 +588,8 @@ class Tier:
         policy_params: parameters of a policy given by name.
 
     Read its ``records`` (slot -> `BlockInfo`), ``candidates`` and ``held`` (live read-only
-    views); only the `TierStack` changes them.
+    views); only the `TierStack` changes them. Every change also keeps the stack's
+    `BlockIndex` (`join`): a block enters it as it takes a slot and leaves it as it frees one.
     """
 
     def __init__(self, capacity_blocks: int, profile: TierProfile | str = "host-pcie5", *,
@@ -575,6 +622,11 @@ class Tier:
         self._held: dict[int, BlockInfo] = {}
         self.held: Mapping[int, BlockInfo] = _view(self._held)
         self._free = list(range(capacity_blocks - 1, -1, -1))
+        self._lookup = BlockIndex()  # its stack's (`join`); its own until then
+
+    def join(self, index: BlockIndex) -> None:
+        """Keep ``index`` (its stack's) as it takes blocks in and lets them go."""
+        self._lookup = index
 
     @property
     def num_free(self) -> int:
@@ -614,12 +666,13 @@ class Tier:
         if not block.num_children:
             self._candidates[slot] = block
             self._on_candidate(block, now)
+        self._lookup.add(block)
         return slot
 
     def remove(self, block: BlockInfo, now: float) -> None:
-        """Take ``block`` out of this tier: free its slot and its store's copy, tell the
-        policy (``on_evict``), and make its parent a candidate when it was its last child
-        here."""
+        """Take ``block`` out of this tier and the stack's index: free its slot and its
+        store's copy, tell the policy (``on_evict``), and make its parent a candidate when it
+        was its last child here."""
         slot = block.block_id
         if self._records.get(slot) is not block:
             raise ConfigError(f"block {slot} is not in tier {self.name!r}")
@@ -666,41 +719,105 @@ class Tier:
             self.policy.on_evict(block, now)  # type: ignore[union-attr]
         return block
 
-    def swap(self, block: BlockInfo, now: float) -> BlockInfo | None:
-        """`pop_victim` then `add` in one call, for a full tier taking ``block``: the policy's
-        victim leaves (its parent here becomes a candidate if it was its last child) and
-        ``block`` takes its slot. ``block.num_children`` counts its children here, the
-        victim included if it is one (then it counts one less). Returns the victim, or None
-        (``block`` left out) when the tier has no candidate."""
-        victim = self._take_victim(now)
-        if victim is None:
-            return None
-        victim_id, candidates = victim.block_id, self._candidates
-        if self._frees:
-            self.store.free(victim_id, victim)
-        records, name = self._records, self.name
-        del records[victim_id]  # (the slot goes to the end of the table, as add puts it)
-        parent = victim.parent
-        if parent is block:
-            block.num_children -= 1
-        elif parent is not None and parent.tier == name and \
-                records.get(parent.block_id) is parent:
-            n = parent.num_children - 1
-            parent.num_children = n
-            if not n and parent.block_id not in self._held:
-                candidates[parent.block_id] = parent
-                self._on_candidate(parent, now)
-        victim.tier = "dropped"
-        block.block_id = victim_id
-        block.tier = name
-        block.ref_count = 0
-        records[victim_id] = block
-        if self._on_insert is not None:
-            self._on_insert(block, now)
-        if not block.num_children:
-            candidates[victim_id] = block
-            self._on_candidate(block, now)
-        return victim
+    def take_in(self, blocks: Sequence[BlockInfo], start: int, now: float,
+                worth: Mapping[int, bool] | None) -> tuple[int, int, int, int]:
+        """Place ``blocks[start:]`` here, in order, in one loop: each into a free slot as
+        `add` would, or, the tier being full, into the slot of the policy's victim, which
+        leaves for good (as `pop_victim` then `add`: a tier with no tier below it, whose
+        victims are gone, and no bytes to write).
+
+        Each block is out of every tier, its ``parent`` up to date. A block with children
+        below the pool counts those (all in this tier: nothing is below it); one with none
+        is left out (``tier = "dropped"``) when ``worth`` (by depth; None: keep every
+        block) maps its depth to False. When the tier is full and its policy has no
+        candidate (every block held), the loop stops before that block.
+
+        Returns where it stopped (``len(blocks)`` when it placed or left out every block),
+        and how many blocks it placed, victims it let go and blocks it left out."""
+        lookup = self._lookup
+        index, children = lookup.blocks, lookup.children
+        records, candidates, held, free = self._records, self._candidates, self._held, \
+            self._free
+        pop, policy, on_candidate, on_insert = self._pop, self.policy, self._on_candidate, \
+            self._on_insert
+        frees, name = self._frees, self.name
+        placed = lost = dropped = 0
+        for i in range(start, len(blocks)):
+            block = blocks[i]
+            h = block.block_hash
+            kids = children.get(h)
+            if kids is None:
+                if worth is not None and not worth[block.depth]:
+                    block.tier = "dropped"  # cheaper to recompute, nothing below needs it
+                    dropped += 1
+                    continue
+                block.num_children = 0
+            else:
+                block.num_children = len(kids) if kids.__class__ is dict else 1
+            if free:
+                self.add(block, now)
+                placed += 1
+                continue
+            # the policy's victim leaves (`_take_victim`, `_release`, inline)
+            if not candidates:
+                return i, placed, lost, dropped
+            slot = pop(now) if pop is not None else policy.victim(now)  # type: ignore
+            victim = candidates.pop(slot, None)
+            if victim is None:
+                raise PolicyError(f"{policy!r}.victim() in tier {name!r} returned {slot!r}, "
+                                  "which is not one of its candidates",
+                                  policy=policy, event="victim", block_id=slot)
+            if pop is None:
+                policy.on_evict(victim, now)  # type: ignore[union-attr]
+            if frees:
+                self.store.free(slot, victim)
+            del records[slot]  # (the slot goes to the end of the table, as add puts it)
+            parent = victim.parent
+            if parent is block:
+                block.num_children -= 1
+            elif parent is not None and parent.tier == name and \
+                    records.get(parent.block_id) is parent:
+                n = parent.num_children - 1
+                parent.num_children = n
+                if not n and parent.block_id not in held:
+                    candidates[parent.block_id] = parent
+                    on_candidate(parent, now)
+            victim.tier = "dropped"
+            # ``block`` takes the slot (`add`, inline)
+            block.block_id = slot
+            block.tier = name
+            block.ref_count = 0
+            records[slot] = block
+            if on_insert is not None:
+                on_insert(block, now)
+            if not block.num_children:
+                candidates[slot] = block
+                on_candidate(block, now)
+            # the stack's index: the victim out (as `_release`), the block in (`BlockIndex.add`)
+            gone = victim.block_hash
+            del index[gone]
+            if victim.depth > 0:
+                up = victim.parent_hash
+                kids = children.get(up)
+                if kids is victim:
+                    del children[up]
+                elif kids is not None and kids.__class__ is dict:
+                    kids.pop(gone, None)
+                    if not kids:
+                        del children[up]
+            index[h] = block
+            if block.depth > 0:
+                up = block.parent_hash
+                kids = children.get(up)
+                if kids is None:
+                    children[up] = block
+                elif kids.__class__ is dict:
+                    kids[h] = block
+                else:
+                    children[up] = {kids.block_hash: kids, h: block}
+            placed += 1
+            lost += 1
+        return len(blocks), placed, lost, dropped
 
     def _release(self, block: BlockInfo, now: float) -> None:
         slot = block.block_id
@@ -717,6 +834,20 @@ class Tier:
                 self._candidates[parent.block_id] = parent
                 self.policy.on_candidate(parent, now)  # type: ignore[union-attr]
         block.tier = "dropped"
+        # out of the stack's index (`BlockIndex`): its hash, its entry among its parent's
+        # children
+        lookup = self._lookup
+        h = block.block_hash
+        del lookup.blocks[h]
+        if block.depth > 0:
+            children, up = lookup.children, block.parent_hash
+            kids = children.get(up)
+            if kids is block:
+                del children[up]
+            elif kids is not None and kids.__class__ is dict:
+                kids.pop(h, None)
+                if not kids:
+                    del children[up]
 
     def bind_policy(self, policy: Policy, block_size: int) -> None:
         """Take ``policy`` (the stack builds it, priced for this tier)."""
@@ -750,6 +881,20 @@ class Tier:
     def __repr__(self) -> str:
         return (f"Tier({self.name!r}, blocks={len(self._records)}/{self.capacity_blocks}, "
                 f"policy={self.policy!r}, store={self.store!r})")
+
+
+class _ByDepth(dict):
+    """A rule's answer by depth, each computed once, on its first lookup."""
+
+    __slots__ = ("rule",)
+
+    def __init__(self, rule: Any) -> None:
+        super().__init__()
+        self.rule = rule
+
+    def __missing__(self, depth: int) -> Any:
+        value = self[depth] = self.rule(depth)
+        return value
 
 
 def _view(d: dict) -> Mapping:
@@ -812,12 +957,17 @@ class TierStack:
         self._held_by_name = {t.name: t.held for t in tiers}
         #: each tier's index (1 = right below the pool) by its name
         self.index_of: Mapping[str, int] = _view({t.name: t.index for t in tiers})
-        self._where: dict[Any, BlockInfo] = {}  # hash -> record, every lower-tier block
+        #: every lower-tier block by hash and by parent hash, kept by the tiers as they move
+        #: blocks (`BlockIndex`)
+        self._lookup = lookup = BlockIndex()
+        for tier in tiers:
+            tier.join(lookup)
+        self._where = lookup.blocks  # hash -> record, every lower-tier block
         #: lower-tier blocks by hash: a read-only live view
         self.blocks: Mapping[Any, BlockInfo] = _view(self._where)
-        self._below: dict[Any, dict[Any, BlockInfo]] = {}  # parent hash -> lower children
+        self._below = lookup.children  # parent hash -> lower children (`BlockIndex`)
         self._recompute: dict[int, float] = {}  # depth -> recompute seconds
-        self._worth: dict[int, bool] = {}  # depth -> worth demoting into tier 1
+        self._worth = _ByDepth(self._worth_at)  # depth -> worth demoting into tier 1
         self._reload_s: list[float] = []  # per-block reload seconds from tier k (index k)
         self._holds_data = False
 
@@ -991,7 +1141,7 @@ class TierStack:
 
     def children_below(self, block_hash: Any) -> list[BlockInfo]:
         """The lower-tier blocks whose parent has this hash."""
-        return list(self._below.get(block_hash, {}).values())
+        return self._lookup.children_of(block_hash)
 
     def match(self, hashes: Sequence[Any], start: int) -> list[BlockInfo]:
         """The lower-tier blocks continuing ``hashes`` from ``start`` (where the pool's hit
@@ -1021,9 +1171,10 @@ class TierStack:
         records are out of the tree, their pool blocks still hold their KV): place each in
         tier 1, or drop it, exactly as one `_place` after another would.
 
-        A metadata-only stack whose tier 1 is its last (a trace replay's host tier) takes
-        the burst in one loop: a full tier swaps the policy's victim for the block in one
-        `Tier.swap` and nothing is read or written."""
+        A metadata-only stack whose tier 1 is its last (a trace replay's host tier) hands
+        the burst to that tier in one call (`Tier.take_in`): one loop places every block, a
+        full tier giving the policy's victim's slot to it, and keeps the stack's index as
+        it goes; nothing is read or written."""
         if self._holds_data or len(self.tiers) > 1:
             kv = self.pool.kv if self._holds_data else None  # type: ignore[union-attr]
             place = self._place
@@ -1031,40 +1182,16 @@ class TierStack:
                 place(block, 1, now, None if kv is None else kv[:, :, block.block_id])
             return
         tier = self.tiers[0]
-        below = self._below
-        index, unindex = self._index, self._unindex
-        cost_rule, worth = self._cost_rule, self._worth
-        swap, add = tier.swap, tier.add
-        free = tier.num_free
+        worth = self._worth if self._cost_rule else None
         placed = lost = dropped = 0
-        for block in blocks:
-            h = block.block_hash
-            kids = below.get(h)
-            if kids is None:
-                if cost_rule:
-                    ok = worth.get(block.depth)
-                    if ok is None:
-                        ok = self._worth_at(block.depth)
-                    if not ok:  # cheaper to recompute, and nothing below depends on it
-                        block.tier = "dropped"
-                        dropped += 1
-                        continue
-                block.num_children = 0
-            else:
-                block.num_children = len(kids)
-            if free:
-                add(block, now)
-                free -= 1
-            else:
-                victim = swap(block, now)
-                if victim is None:  # every block here is held: back-pressure
-                    self._drop(block, "back_pressure", now)
-                    free = tier.num_free
-                    continue
-                unindex(victim)  # a leaf of the last tier, no descendants: it is gone
-                lost += 1
-            index(block)
-            placed += 1
+        i, n = 0, len(blocks)
+        while True:
+            i, p, gone, left = tier.take_in(blocks, i, now, worth)
+            placed, lost, dropped = placed + p, lost + gone, dropped + left
+            if i == n:
+                break
+            self._drop(blocks[i], "back_pressure", now)  # every block there is held
+            i += 1
         self._demoted[1] += placed
         drops = self._drops
         if lost:
@@ -1074,9 +1201,8 @@ class TierStack:
 
     def _worth_at(self, depth: int) -> bool:
         """Whether a block at ``depth`` is worth demoting into tier 1 by the cost rule
-        (cached by depth)."""
-        ok = self._worth[depth] = self._reload_s[1] < self.recompute_seconds(depth)
-        return ok
+        (``_worth`` caches it by depth)."""
+        return self._reload_s[1] < self.recompute_seconds(depth)
 
     def _place(self, block: BlockInfo, k: int, now: float, data: torch.Tensor | None,
                force: bool = False) -> bool:
@@ -1100,8 +1226,7 @@ class TierStack:
                 if victim is None:
                     self._drop(block, "back_pressure", now)
                     return False
-                self._unindex(victim)  # a leaf of the last tier: no descendants
-                drops = self._drops
+                drops = self._drops  # (a leaf of the last tier: no descendants)
                 drops["last_tier"] = drops.get("last_tier", 0) + 1
             elif not self._make_room(tier, now):
                 self._drop(block, "back_pressure", now)
@@ -1110,15 +1235,14 @@ class TierStack:
             self._drop(block, "back_pressure", now)
             return False
         kids = below.get(h)  # (making room may have moved some)
-        if not kids:
+        if kids is None:
             block.num_children = 0
         elif n == 1:
-            block.num_children = len(kids)
+            block.num_children = len(kids) if kids.__class__ is dict else 1
         else:
             name = tier.name
-            block.num_children = sum(1 for c in kids.values() if c.tier == name)
+            block.num_children = sum(1 for c in self._lookup.children_of(h) if c.tier == name)
         tier.add(block, now)
-        self._index(block)
         self._demoted[k] += 1
         return True
 
@@ -1134,7 +1258,6 @@ class TierStack:
         victim = tier.pop_victim(now)
         if victim is None:
             return False
-        self._unindex(victim)
         if self._holds_data and data is None:  # a corrupted file: drop it, the slot is free
             self._corrupt += 1
             self._drop(victim, "corrupt", now)
@@ -1155,44 +1278,14 @@ class TierStack:
             data = data.clone()  # the slot may be reused before the copy is written
         return data
 
-    def _take_out(self, block: BlockInfo, tier: Tier, now: float) -> None:
-        """Remove ``block`` from ``tier`` and from the stack's indexes."""
-        tier.remove(block, now)
-        self._unindex(block)
-
-    def _index(self, block: BlockInfo) -> None:
-        """Enter ``block`` (just placed in a tier) in the stack's indexes: by hash, and
-        among its parent's children below the pool."""
-        h = block.block_hash
-        self._where[h] = block
-        if block.depth > 0:
-            siblings = self._below.get(block.parent_hash)
-            if siblings is None:
-                self._below[block.parent_hash] = {h: block}
-            else:
-                siblings[h] = block
-
-    def _unindex(self, block: BlockInfo) -> None:
-        """Take ``block`` out of the stack's indexes (`_index` undone)."""
-        del self._where[block.block_hash]
-        if block.depth > 0:
-            kids = self._below.get(block.parent_hash)
-            if kids is not None:
-                kids.pop(block.block_hash, None)
-                if not kids:
-                    del self._below[block.parent_hash]
-
     def _drop(self, block: BlockInfo, reason: str, now: float) -> None:
         """``block`` (in no tier) is gone: count it, and drop its lower-tier descendants,
         which no lookup could reach any more."""
         drops = self._drops
         drops[reason] = drops.get(reason, 0) + 1
         block.tier = "dropped"
-        kids = self._below.get(block.block_hash)
-        if not kids:
-            return
-        for child in list(kids.values()):
-            self._take_out(child, self._by_name[child.tier], now)
+        for child in self._lookup.children_of(block.block_hash):
+            self._by_name[child.tier].remove(child, now)
             self._drop(child, "cascade", now)
 
     def take(self, hashes: Sequence[Any], start: int, now: float) -> list[BlockInfo]:
@@ -1240,11 +1333,11 @@ class TierStack:
                 data = tier.store.read(block.block_id, block)
                 if data is None:  # a torn or corrupted file: a miss, never served
                     self._corrupt += 1
-                    self._take_out(block, tier, now)
+                    tier.remove(block, now)
                     self._drop(block, "corrupt", now)
                     break
                 kv[:, :, block_id].copy_(data)
-            self._take_out(block, tier, now)
+            tier.remove(block, now)
             served[tier.index] += 1
             block.block_id = block_id
             block.tier = "device"
@@ -1264,8 +1357,8 @@ class TierStack:
             old = where.get(block.block_hash)
             if old is None:
                 continue
-            kids = list(self._below.get(block.block_hash, {}).values())
-            self._take_out(old, self._by_name[old.tier], now)
+            kids = self._lookup.children_of(block.block_hash)
+            self._by_name[old.tier].remove(old, now)
             drops = self._drops
             drops["superseded"] = drops.get("superseded", 0) + 1
             for child in kids:
@@ -1274,12 +1367,12 @@ class TierStack:
     def orphaned(self, blocks: Sequence[BlockInfo], now: float) -> None:
         """Pool records left the cache without a demotion (a rolled-back operation): their
         lower-tier descendants can no longer be reached and are dropped."""
+        below, children_of = self._below, self._lookup.children_of
         for block in blocks:
-            kids = self._below.get(block.block_hash)
-            if not kids:
+            if block.block_hash not in below:
                 continue
-            for child in list(kids.values()):
-                self._take_out(child, self._by_name[child.tier], now)
+            for child in children_of(block.block_hash):
+                self._by_name[child.tier].remove(child, now)
                 self._drop(child, "cascade", now)
 
     def spill(self, now: float, to: int | None = None) -> int:
@@ -1295,7 +1388,7 @@ class TierStack:
                 if tier.is_held(block):
                     continue
                 data = self._read(block, tier)
-                self._take_out(block, tier, now)
+                tier.remove(block, now)
                 if self._holds_data and data is None:
                     self._corrupt += 1
                     self._drop(block, "corrupt", now)
@@ -1350,7 +1443,6 @@ class TierStack:
                 block.parent.num_children += 1  # type: ignore[union-attr]
         for block in reversed(keep):  # children first: a parent's count is final
             tier.add(block, 0.0)
-            self._index(block)
 
     def __repr__(self) -> str:
         return f"TierStack({', '.join(repr(t) for t in self.tiers)})"
