@@ -547,18 +547,17 @@ class BlockIndex:
         self.children: dict[Any, Any] = {}
 
     def add(self, block: BlockInfo) -> None:
-        """Enter ``block`` (just placed in a tier)."""
+        """Enter ``block`` (just placed in a tier): one dict operation per index when it is
+        its parent's only child below."""
         h = block.block_hash
         self.blocks[h] = block
         if block.depth > 0:
-            children, parent = self.children, block.parent_hash
-            kids = children.get(parent)
-            if kids is None:
-                children[parent] = block
-            elif kids.__class__ is dict:
-                kids[h] = block
-            else:
-                children[parent] = {kids.block_hash: kids, h: block}
+            kids = self.children.setdefault(block.parent_hash, block)
+            if kids is not block:  # a second child
+                if kids.__class__ is dict:
+                    kids[h] = block
+                else:
+                    self.children[block.parent_hash] = {kids.block_hash: kids, h: block}
 
     def children_of(self, block_hash: Any) -> list[BlockInfo]:
         """The lower-tier children of the block with this hash, in the order they were
@@ -741,8 +740,9 @@ class Tier:
         pop, policy, on_candidate, on_insert = self._pop, self.policy, self._on_candidate, \
             self._on_insert
         frees, name = self._frees, self.name
-        placed = lost = dropped = 0
-        for i in range(start, len(blocks)):
+        added = dropped = 0
+        end = len(blocks)
+        for i in range(start, end):
             block = blocks[i]
             h = block.block_hash
             kids = children.get(h)
@@ -754,36 +754,37 @@ class Tier:
                 block.num_children = 0
             else:
                 block.num_children = len(kids) if kids.__class__ is dict else 1
-            if free:
-                self.add(block, now)
-                placed += 1
-                continue
-            # the policy's victim leaves (`_take_victim`, `_release`, inline)
-            if not candidates:
-                return i, placed, lost, dropped
-            slot = pop(now) if pop is not None else policy.victim(now)  # type: ignore
-            victim = candidates.pop(slot, None)
-            if victim is None:
-                raise PolicyError(f"{policy!r}.victim() in tier {name!r} returned {slot!r}, "
-                                  "which is not one of its candidates",
-                                  policy=policy, event="victim", block_id=slot)
-            if pop is None:
-                policy.on_evict(victim, now)  # type: ignore[union-attr]
-            if frees:
-                self.store.free(slot, victim)
-            del records[slot]  # (the slot goes to the end of the table, as add puts it)
-            parent = victim.parent
-            if parent is block:
-                block.num_children -= 1
-            elif parent is not None and parent.tier == name and \
-                    records.get(parent.block_id) is parent:
-                n = parent.num_children - 1
-                parent.num_children = n
-                if not n and parent.block_id not in held:
-                    candidates[parent.block_id] = parent
-                    on_candidate(parent, now)
-            victim.tier = "dropped"
-            # ``block`` takes the slot (`add`, inline)
+            if free:  # a free slot (`add`, inline)
+                slot = free.pop()
+                victim = None
+                added += 1
+            elif not candidates:  # full, and nothing to let go
+                end = i
+                break
+            else:  # the policy's victim leaves (`_take_victim`, `_release`, inline)
+                slot = pop(now) if pop is not None else policy.victim(now)  # type: ignore
+                victim = candidates.pop(slot, None)
+                if victim is None:
+                    raise PolicyError(f"{policy!r}.victim() in tier {name!r} returned "
+                                      f"{slot!r}, which is not one of its candidates",
+                                      policy=policy, event="victim", block_id=slot)
+                if pop is None:
+                    policy.on_evict(victim, now)  # type: ignore[union-attr]
+                if frees:
+                    self.store.free(slot, victim)
+                del records[slot]  # (the slot goes to the end of the table, as add puts it)
+                parent = victim.parent
+                if parent is block:
+                    block.num_children -= 1
+                elif parent is not None and parent.tier == name and \
+                        records.get(parent.block_id) is parent:
+                    n = parent.num_children - 1
+                    parent.num_children = n
+                    if not n and parent.block_id not in held:
+                        candidates[parent.block_id] = parent
+                        on_candidate(parent, now)
+                victim.tier = "dropped"
+            # ``block`` takes the slot (as `add`)
             block.block_id = slot
             block.tier = name
             block.ref_count = 0
@@ -793,31 +794,30 @@ class Tier:
             if not block.num_children:
                 candidates[slot] = block
                 on_candidate(block, now)
-            # the stack's index: the victim out (as `_release`), the block in (`BlockIndex.add`)
-            gone = victim.block_hash
-            del index[gone]
-            if victim.depth > 0:
-                up = victim.parent_hash
-                kids = children.get(up)
-                if kids is victim:
-                    del children[up]
-                elif kids is not None and kids.__class__ is dict:
-                    kids.pop(gone, None)
-                    if not kids:
-                        del children[up]
+            # the stack's index: the victim out (as `_release`), the block in (as
+            # `BlockIndex.add`)
+            if victim is not None:
+                gone = victim.block_hash
+                del index[gone]
+                if victim.depth > 0:
+                    up = victim.parent_hash
+                    kids = children.pop(up, None)
+                    if kids is not victim and kids is not None:  # siblings: the rest back
+                        if kids.__class__ is dict:
+                            kids.pop(gone, None)
+                        if kids:
+                            children[up] = kids
             index[h] = block
             if block.depth > 0:
                 up = block.parent_hash
-                kids = children.get(up)
-                if kids is None:
-                    children[up] = block
-                elif kids.__class__ is dict:
-                    kids[h] = block
-                else:
-                    children[up] = {kids.block_hash: kids, h: block}
-            placed += 1
-            lost += 1
-        return len(blocks), placed, lost, dropped
+                kids = children.setdefault(up, block)
+                if kids is not block:  # a second child
+                    if kids.__class__ is dict:
+                        kids[h] = block
+                    else:
+                        children[up] = {kids.block_hash: kids, h: block}
+        placed = end - start - dropped
+        return end, placed, placed - added, dropped
 
     def _release(self, block: BlockInfo, now: float) -> None:
         slot = block.block_id
@@ -841,13 +841,12 @@ class Tier:
         del lookup.blocks[h]
         if block.depth > 0:
             children, up = lookup.children, block.parent_hash
-            kids = children.get(up)
-            if kids is block:
-                del children[up]
-            elif kids is not None and kids.__class__ is dict:
-                kids.pop(h, None)
-                if not kids:
-                    del children[up]
+            kids = children.pop(up, None)
+            if kids is not block and kids is not None:  # siblings: put the rest back
+                if kids.__class__ is dict:
+                    kids.pop(h, None)
+                if kids:
+                    children[up] = kids
 
     def bind_policy(self, policy: Policy, block_size: int) -> None:
         """Take ``policy`` (the stack builds it, priced for this tier)."""
