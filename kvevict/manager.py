@@ -805,7 +805,8 @@ class KVCacheManager:
         """Put a chain of new records in the tree, then tell the policy (``on_insert``)."""
         self.tree.insert_chain(run)
         if self.tiers is not None:  # a lower tier's copy of a block computed again
-            self.tiers.superseded(run, now)
+            first = len(seq.cached_blocks)  # the run continues them: its hashes follow
+            self.tiers.superseded(run, now, seq.hashes[first:first + len(run)])
         seq.cached_blocks.extend(run)
         self._created.extend(run)
         self.stats.inserted_blocks += len(run)

@@ -776,11 +776,10 @@ class Tier:
                 parent = victim.parent
                 if parent is block:
                     block.num_children -= 1
-                elif parent is not None and parent.tier == name and \
-                        records.get(parent.block_id) is parent:
-                    n = parent.num_children - 1
+                elif parent is not None and parent.tier == name:  # (then in ``records``:
+                    n = parent.num_children - 1  # a record leaving a tier says "dropped")
                     parent.num_children = n
-                    if not n and parent.block_id not in held:
+                    if not n and (not held or parent.block_id not in held):
                         candidates[parent.block_id] = parent
                         on_candidate(parent, now)
                 victim.tier = "dropped"
@@ -1345,13 +1344,15 @@ class TierStack:
             loaded += 1
         return loaded
 
-    def superseded(self, blocks: Sequence[BlockInfo], now: float) -> None:
+    def superseded(self, blocks: Sequence[BlockInfo], now: float,
+                   hashes: Sequence[Any] | None = None) -> None:
         """New pool records were cached for ``blocks``: a lower-tier copy of the same hash
         (another sequence computed it meanwhile) is dropped, and its lower-tier children
-        become the new record's."""
+        become the new record's. ``hashes``: the blocks' hashes, when the caller holds them
+        in a sequence already (a slice of the chain), so none is read from a record."""
         where = self._where
-        if where.keys().isdisjoint(map(_HASH_OF, blocks)):  # the common case, at C speed
-            return
+        if where.keys().isdisjoint(map(_HASH_OF, blocks) if hashes is None else hashes):
+            return  # the common case, at C speed
         for block in blocks:
             old = where.get(block.block_hash)
             if old is None:
