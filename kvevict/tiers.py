@@ -672,13 +672,16 @@ class Tier:
         """Take ``block`` out of this tier and the stack's index: free its slot and its
         store's copy, tell the policy (``on_evict``), and make its parent a candidate when it
         was its last child here."""
-        slot = block.block_id
-        if self._records.get(slot) is not block:
-            raise ConfigError(f"block {slot} is not in tier {self.name!r}")
-        self._candidates.pop(slot, None)
-        self._held.pop(slot, None)
-        self.policy.on_evict(block, now)  # type: ignore[union-attr]
-        self._release(block, now)
+        if not self._release((block,), 0, 1, now, True):
+            raise ConfigError(f"block {block.block_id} is not in tier {self.name!r}")
+
+    def remove_run(self, blocks: Sequence[BlockInfo], start: int, stop: int,
+                   now: float) -> int:
+        """`remove` ``blocks[start:stop]`` in order, up to the first one whose record names
+        another tier; return where it stopped (``stop`` when it took out every one). A
+        reload's chain lies in one tier, then in the next, ... (prefix closure): one call
+        per tier takes its part out."""
+        return self._release(blocks, start, stop, now, True)
 
     def peek_victim(self, now: float) -> BlockInfo | None:
         """The candidate the policy would evict (nothing changes), or None."""
@@ -697,7 +700,7 @@ class Tier:
         is none."""
         block = self._take_victim(now)
         if block is not None:
-            self._release(block, now)
+            self._release((block,), 0, 1, now, False)
         return block
 
     def _take_victim(self, now: float) -> BlockInfo | None:
@@ -818,34 +821,57 @@ class Tier:
         placed = end - start - dropped
         return end, placed, placed - added, dropped
 
-    def _release(self, block: BlockInfo, now: float) -> None:
-        slot = block.block_id
-        del self._records[slot]
-        if self._frees:
-            self.store.free(slot, block)
-        self._free.append(slot)
-        parent = block.parent
-        if parent is not None and parent.tier == self.name and \
-                self._records.get(parent.block_id) is parent:
-            n = parent.num_children - 1
-            parent.num_children = n
-            if not n and parent.block_id not in self._held:
-                self._candidates[parent.block_id] = parent
-                self.policy.on_candidate(parent, now)  # type: ignore[union-attr]
-        block.tier = "dropped"
-        # out of the stack's index (`BlockIndex`): its hash, its entry among its parent's
-        # children
+    def _release(self, blocks: Sequence[BlockInfo], start: int, stop: int, now: float,
+                 evict: bool) -> int:
+        """Let ``blocks[start:stop]`` go, in order: free each one's slot and its store's copy,
+        make its parent a candidate when it was its last child here, and take it out of the
+        stack's index. ``evict``: each is first checked to be here (the loop stops at one
+        whose record names another tier; one that says this tier but is not here is a
+        `ConfigError`), taken out of the candidates and the held, and the policy is told
+        (``on_evict``); else it is the policy's victim, out of them already. Returns where it
+        stopped."""
+        name, records, candidates, held, free = self.name, self._records, self._candidates, \
+            self._held, self._free
+        policy, frees = self.policy, self._frees
         lookup = self._lookup
-        h = block.block_hash
-        del lookup.blocks[h]
-        if block.depth > 0:
-            children, up = lookup.children, block.parent_hash
-            kids = children.pop(up, None)
-            if kids is not block and kids is not None:  # siblings: put the rest back
-                if kids.__class__ is dict:
-                    kids.pop(h, None)
-                if kids:
-                    children[up] = kids
+        index, children = lookup.blocks, lookup.children
+        for i in range(start, stop):
+            block = blocks[i]
+            slot = block.block_id
+            if evict:
+                if block.tier != name:
+                    return i
+                if records.get(slot) is not block:
+                    raise ConfigError(f"block {slot} is not in tier {name!r}")
+                candidates.pop(slot, None)
+                held.pop(slot, None)
+                policy.on_evict(block, now)  # type: ignore[union-attr]
+            del records[slot]
+            if frees:
+                self.store.free(slot, block)
+            free.append(slot)
+            parent = block.parent
+            if parent is not None and parent.tier == name and \
+                    records.get(parent.block_id) is parent:
+                n = parent.num_children - 1
+                parent.num_children = n
+                if not n and parent.block_id not in held:
+                    candidates[parent.block_id] = parent
+                    policy.on_candidate(parent, now)  # type: ignore[union-attr]
+            block.tier = "dropped"
+            # out of the stack's index (`BlockIndex`): its hash, its entry among its
+            # parent's children
+            h = block.block_hash
+            del index[h]
+            if block.depth > 0:
+                up = block.parent_hash
+                kids = children.pop(up, None)
+                if kids is not block and kids is not None:  # siblings: put the rest back
+                    if kids.__class__ is dict:
+                        kids.pop(h, None)
+                    if kids:
+                        children[up] = kids
+        return stop
 
     def bind_policy(self, policy: Policy, block_size: int) -> None:
         """Take ``policy`` (the stack builds it, priced for this tier)."""
@@ -859,10 +885,22 @@ class Tier:
 
     def hold(self, block: BlockInfo, now: float) -> None:
         """Keep ``block`` from being evicted (a reload is under way)."""
-        slot = block.block_id
-        if self._candidates.pop(slot, None) is not None:
-            self.policy.on_uncandidate(block, now)  # type: ignore[union-attr]
-        self._held[slot] = block
+        self.hold_run((block,), 0, now)
+
+    def hold_run(self, blocks: Sequence[BlockInfo], start: int, now: float) -> int:
+        """`hold` ``blocks[start:]`` in order, up to the first one whose record names
+        another tier; return where it stopped (``len(blocks)`` when it held every one)."""
+        name, candidates, held = self.name, self._candidates, self._held
+        uncandidate = self.policy.on_uncandidate  # type: ignore[union-attr]
+        for i in range(start, len(blocks)):
+            block = blocks[i]
+            if block.tier != name:
+                return i
+            slot = block.block_id
+            if candidates.pop(slot, None) is not None:
+                uncandidate(block, now)
+            held[slot] = block
+        return len(blocks)
 
     def unhold(self, block: BlockInfo, now: float) -> None:
         """Undo `hold`."""
@@ -1300,9 +1338,9 @@ class TierStack:
         block's file is read and its checksum checked by `load`, once the request is known
         to fit (a request that waits for memory and is retried reads nothing). The manager
         holds only after it checked that the request fits."""
-        by_name = self._by_name
-        for block in blocks:
-            by_name[block.tier].hold(block, now)
+        by_name, i, n = self._by_name, 0, len(blocks)
+        while i < n:  # one call per tier: the chain's part there
+            i = by_name[blocks[i].tier].hold_run(blocks, i, now)
 
     def restore(self, blocks: Sequence[BlockInfo], now: float) -> None:
         """Undo `hold`: the blocks stay where they are and may be evicted again."""
@@ -1321,27 +1359,37 @@ class TierStack:
         are left untouched for the caller to free. The loaded records are then the pool's
         (``tier == "device"``, ``block_id`` the pool block, no children counted); the caller
         registers them in the tree."""
-        kv = self.pool.kv if self._holds_data else None  # type: ignore[union-attr]
-        served = self._served
+        n = len(blocks)
+        if len(block_ids) != n:
+            raise ValueError(f"load: {n} blocks but {len(block_ids)} pool blocks")
         by_name = self._by_name
-        loaded = 0
-        for block, block_id in zip(blocks, block_ids, strict=True):
-            tier = by_name[block.tier]
-            if kv is not None:
-                data = tier.store.read(block.block_id, block)
+        loaded = n
+        if self._holds_data:  # every block's KV first (a disk file's checksum checked)
+            kv = self.pool.kv  # type: ignore[union-attr]
+            for i, block in enumerate(blocks):
+                data = by_name[block.tier].store.read(block.block_id, block)
                 if data is None:  # a torn or corrupted file: a miss, never served
-                    self._corrupt += 1
-                    tier.remove(block, now)
-                    self._drop(block, "corrupt", now)
+                    loaded = i
                     break
-                kv[:, :, block_id].copy_(data)
-            tier.remove(block, now)
-            served[tier.index] += 1
-            block.block_id = block_id
+                kv[:, :, block_ids[i]].copy_(data)
+        served = self._served
+        i = 0
+        while i < loaded:  # one call per tier: the chain's part there
+            tier = by_name[blocks[i].tier]
+            end = tier.remove_run(blocks, i, loaded, now)
+            served[tier.index] += end - i
+            i = end
+        for i in range(loaded):
+            block = blocks[i]
+            block.block_id = block_ids[i]
             block.tier = "device"
             block.num_children = 0
             block.ref_count = 0
-            loaded += 1
+        if loaded < n:
+            block = blocks[loaded]
+            self._corrupt += 1
+            by_name[block.tier].remove(block, now)
+            self._drop(block, "corrupt", now)
         return loaded
 
     def superseded(self, blocks: Sequence[BlockInfo], now: float,
