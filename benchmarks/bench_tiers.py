@@ -6,8 +6,11 @@ blocks, once alone and once with a metadata-only host tier of ``--host-blocks`` 
 (`kvevict.tiers`: every eviction is a demotion into the tier's own LRU, every hit there a
 reload). Both read the same in-memory requests; each is timed in process CPU seconds, best
 of ``--rounds``. Issue 15's target: the tiered replay costs at most 1.5x the untiered one per
-request. Measured 1.84x with the batched demotion (`TierStack.demote` takes a whole eviction
-burst; `Tier.swap`), 2.16x before it, on a 2-core shared machine (``docs/tiers.md``).
+request. Measured 1.51-1.56x (five runs of ``--rounds 5``; 1.48-1.57x across other runs), on a
+2-core shared machine, with the tiers keeping the stack's index (`BlockIndex`) and taking
+each eviction burst in one loop (`Tier.take_in`). The code before that measured 1.66-1.73x
+in the same session, and an earlier session measured 1.84x, or 2.16x before the batched
+demotion (``docs/tiers.md``).
 
     python benchmarks/bench_tiers.py [--blocks 1000] [--host-blocks 4000] [--rounds 3]
 
