@@ -116,22 +116,25 @@ def judge_accuracy(model: Any, items: Sequence[TaskItem], policy: str | TokenPol
 
 
 @torch.no_grad()
-def judge_traces(model: Any, items: Sequence[TaskItem], *, batch: int = 8
-                 ) -> list[dict[str, Any]]:
+def judge_traces(model: Any, items: Sequence[TaskItem], *, batch: int = 8,
+                 context: int | None = None) -> list[dict[str, Any]]:
     """Full-cache generation traces of the judge: what the learned policies are trained on.
 
     Per batch of items (teacher-forced on prompt + answer): ``keys[l]`` / ``values[l]``, the
     stored K (after RoPE) and V of the context tokens ``[B, Hkv, C, D]`` in layer ``l``, and
     ``utility[l]`` ``[B, Hkv, C]``: the attention the question's and answer's queries (the ones
     a compressed cache serves) give each context token, averaged over those queries and over
-    the query heads of each kv group. Needs eager attention (the judge loads with it)."""
+    the query heads of each kv group. Needs eager attention (the judge loads with it).
+
+    ``context`` is the number of context tokens (default: each item's `TaskItem.context`);
+    `kvevict.tokens.tasks.packed_items` needs it, as its prompts hold several questions."""
     from transformers import DynamicCache
 
     cfg = model.config
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     traces = []
     for chunk in batches(items, batch):
-        ctx = len(chunk[0].context)
+        ctx = len(chunk[0].context) if context is None else context
         ids = torch.tensor([(*it.prompt, *it.answer[:-1]) for it in chunk])
         cache = DynamicCache(config=cfg)
         out = model(input_ids=ids, cache=cache, use_cache=True, output_attentions=True)

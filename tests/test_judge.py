@@ -118,6 +118,19 @@ def test_traces_hold_the_future_attention_on_the_context(model):
     assert float(trace["utility"][1].sum(-1).max()) <= 1.0 + 1e-5
 
 
+def test_traces_of_packed_items_average_every_question_over_the_given_context(model):
+    from kvevict.tokens.tasks import packed_items
+
+    items = packed_items("vartrack", 2, length=100, seed=5)
+    (trace,) = judge_traces(model, items, batch=2, context=100)
+    ids = torch.tensor([(*it.prompt, *it.answer[:-1]) for it in items])
+    with torch.no_grad():
+        att = model(input_ids=ids, output_attentions=True).attentions
+    want = att[0][:, :, 100:, :100].mean(2).view(2, 2, 2, 100).mean(2)
+    assert torch.allclose(trace["utility"][0], want, atol=1e-6)
+    assert trace["keys"][0].shape == (2, 2, 100, 16) and ids.shape[1] == 100 + 3 * 6 - 1
+
+
 def test_the_gated_forward_at_full_retention_is_the_eager_forward(model):
     items = make_items("recall", 2, length=120, seed=6)
     ids = torch.tensor([(*it.prompt, *it.answer[:-1]) for it in items])

@@ -59,6 +59,64 @@ def test_training_batch_targets_are_the_answers():
     assert (targets[0] != -100).sum() == 2 * 2 and (targets[1] != -100).sum() == 4
 
 
+def test_packed_items_ask_every_question_of_a_context_after_it():
+    from kvevict.tokens.tasks import QUERY, packed_items
+
+    for task, questions, answer_len in (("recall", 24, 2), ("needle", 1, 4), ("vartrack", 3, 4)):
+        items = packed_items(task, 2, length=300, seed=4)
+        assert len(items) == 2 and items[0].prompt[:300] != items[1].prompt[:300]
+        for it in items:
+            tail = it.prompt[300:]
+            assert len(tail) == questions * (2 + answer_len) - answer_len
+            asked = [tail[i + 1] for i in range(0, len(tail), 2 + answer_len)]
+            assert tail[::2 + answer_len] == (QUERY,) * questions
+            assert len(set(asked)) == questions  # each question once
+            context = it.prompt[:300]
+            assert all(q in context for q in asked)
+            if task == "recall":  # each answer is the value after its key in the context
+                answers = [*(tail[i + 2] for i in range(0, len(tail) - 2, 4)), it.answer[0]]
+                assert answers == [context[context.index(q) + 1] for q in asked]
+            assert all(context[p] < 416 for p in it.evidence)  # records, never filler
+            assert len(it.evidence) == {"recall": 48, "needle": 52, "vartrack": 27}[task]
+    assert packed_items("recall", 1, length=300, seed=4) == packed_items(
+        "recall", 1, length=300, seed=4)[:1]
+    with pytest.raises(ConfigError, match="unknown task"):
+        packed_items("nope", 1)
+
+
+def test_distilling_a_scorer_learns_the_ranking_of_the_future_attention():
+    """Synthetic traces: the future attention goes to the tokens whose value points along one
+    direction. Before distillation the scorer's top 4 miss them; after, they are its top 4
+    in every layer and row, on traces it was not fitted on."""
+    from kvevict.tokens.learned import distill_scorer
+
+    gen = torch.Generator().manual_seed(0)
+
+    def trace():
+        keys, values = torch.randn(4, 2, 16, 4, generator=gen), torch.randn(4, 2, 16, 4,
+                                                                             generator=gen)
+        hot = torch.rand(4, 16, generator=gen).argsort(-1)[:, :4]  # 4 tokens per row
+        mark = torch.zeros(4, 16, dtype=torch.bool).scatter_(1, hot, True)
+        values[..., 0] += 4.0 * mark[:, None]
+        utility = torch.where(mark[:, None], 1.0, 0.01).expand(4, 2, 16).clone()
+        return {"keys": [keys] * 2, "values": [values] * 2, "utility": [utility] * 2,
+                "mark": mark}
+
+    train, held_out = [trace() for _ in range(24)], [trace() for _ in range(4)]
+    torch.manual_seed(0)
+    scorer = KVScorer(SHAPE, hidden=16)
+
+    def hits():
+        with torch.no_grad():
+            return [bool(t["mark"].gather(1, scorer(layer, t["keys"][layer], t["values"][layer])
+                                          .mean(1).topk(4).indices).all())
+                    for t in held_out for layer in range(2)]
+
+    assert not all(hits())
+    assert distill_scorer(scorer, train, epochs=40, lr=1e-2) is scorer
+    assert all(hits()) and not scorer.training
+
+
 def test_the_curriculum_scale_shrinks_the_records_and_their_minimum_length():
     from kvevict.tokens.tasks import min_length
 
@@ -129,12 +187,34 @@ def test_a_saved_scorer_loads_with_the_same_scores(tmp_path, per_head):
     assert again.per_head == per_head
     assert torch.equal(scorer(1, keys, values), again(1, keys, values))
     policy = make_token_policy(method, budget=3, scorer=tmp_path / "s.safetensors",
-                               shape=SHAPE)
+                               shape=SHAPE, n_recent=0)
     positions = torch.arange(7).expand(3, 7)
     kept = policy.select(0, keys, values, positions, torch.ones(3, 7, dtype=torch.bool))
     per = scorer(0, keys, values).detach()
     reduced = per.mean(1) if not per_head else torch.log_softmax(per, -1).sum(1)
     assert kept.tolist() == reduced.topk(3, dim=1).indices.sort(dim=1).values.tolist()
+    # with n_recent=1 the newest token (slot 6) is kept whatever its score, plus the top two
+    # of the others
+    recent = make_token_policy(method, budget=3, scorer=again, n_recent=1)
+    kept = recent.select(0, keys, values, positions, torch.ones(3, 7, dtype=torch.bool))
+    top = reduced[:, :6].topk(2, dim=1).indices
+    assert kept.tolist() == [sorted([*row, 6]) for row in top.tolist()]
+
+
+def test_the_learned_policies_keep_the_newest_tokens_by_default():
+    """The question and the answer come after the context the scorer was trained on: the
+    newest N_RECENT tokens are kept even when the scorer ranks them last."""
+    from kvevict.tokens.learned import N_RECENT
+
+    scorer = KVScorer(SHAPE, hidden=8)
+    keys = torch.randn(1, 2, 20, 4)
+    policy = make_token_policy("lkv_t", budget=12, scorer=scorer)
+    assert policy.n_recent == N_RECENT == 8
+    kept = policy.select(0, keys, keys, torch.arange(20)[None], torch.ones(1, 20, dtype=torch.bool))
+    assert set(range(12, 20)) <= set(kept[0].tolist())
+    with pytest.raises(ConfigError, match="n_recent must be >= 0"):
+        make_token_policy("lkv_t", budget=12, scorer=scorer, n_recent=-1)
+    assert make_token_policy("lkv_t", budget=4, scorer=scorer).n_recent == 4  # at most budget
 
 
 def test_a_scorer_file_for_another_shape_or_method_is_refused(tmp_path):
@@ -194,7 +274,7 @@ def _eager(query, key, value, mask, drop=None):
 def test_the_gate_evicts_exactly_the_context_keys_outside_the_top_k():
     torch.manual_seed(1)
     scorer = KVScorer(ScorerShape(1, 2, 4, 4), hidden=8)
-    gate = GatedAttention(scorer)
+    gate = GatedAttention(scorer, n_recent=0)
     q, k, v = torch.randn(1, 4, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
     causal = torch.full((8, 8), -torch.inf).triu(1)[None, None]
     gate.context, gate.retention = 6, 1.0
@@ -211,3 +291,35 @@ def test_the_gate_evicts_exactly_the_context_keys_outside_the_top_k():
     assert torch.allclose(out, _eager(q, k, v, causal, drop[None, None]), atol=1e-6)
     out.sum().backward()  # the soft gate carries a gradient to the scorer
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in scorer.parameters())
+
+
+class _TokenScores(torch.nn.Module):
+    """A "scorer" whose scores are parameters, one per context token (the gate's gradient per
+    token is then the parameter's gradient)."""
+
+    def __init__(self, scores):
+        super().__init__()
+        self.scores = torch.nn.Parameter(torch.tensor(scores))
+
+    def forward(self, layer, keys, values):
+        return self.scores.expand(keys.shape[0], keys.shape[1], -1)
+
+
+def test_an_evicted_token_gets_a_gradient_and_the_window_is_kept():
+    """Under the hard mask an evicted key has weight 0 and so no gradient; the straight-through
+    pass gives it the soft gate's gradient, so training can bring it back. The newest
+    ``n_recent`` context keys are kept whatever their scores, as LKVToken keeps them."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 4, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+    causal = torch.full((8, 8), -torch.inf).triu(1)[None, None]
+    scores = _TokenScores([3.0, -1.0, 2.0, -2.0, 1.0, -5.0])
+    gate = GatedAttention(scores, n_recent=1)
+    gate.context, gate.retention = 6, 0.5  # keep 3: slot 5 (the window), then slots 0 and 2
+    out, _ = gate(_Layer(), q, k, v, causal)
+    drop = torch.zeros(8, 8, dtype=torch.bool)
+    drop[6:, [1, 3, 4]] = True
+    assert torch.allclose(out, _eager(q, k, v, causal, drop[None, None]), atol=1e-6)
+    out.pow(2).sum().backward()
+    grad = scores.scores.grad
+    assert all(abs(float(grad[i])) > 1e-6 for i in (1, 3, 4))  # evicted, yet they learn
+    assert float(grad[5]) == 0.0  # the window's slot is kept regardless of its score

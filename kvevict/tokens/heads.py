@@ -17,7 +17,10 @@ that by letting each head choose:
   but the total stays ``retention`` of the cache. `train_lkv_h` trains them through the frozen
   judge with `HeadGate`, a straight-through relaxation of each head's top-``n`` cut: the
   forward pass is the deployed eviction (a head's tokens past its count get ``-inf``), the
-  gradient reaches the count through ``log σ((n - rank - ½) / τ)``.
+  gradient is that of the soft cut ``log σ((n - rank - ½) / τ)`` (`straight_through_attention`,
+  so a token past the count still tells its head whether more budget would have helped). Each
+  head ranks its tokens by ``scoring``: the shipped budgets use the LKV-T scorer's per-head
+  scores (`train_token_policies.py`), since key norms do not rank the judge's tokens well.
 
 Here each head's kept tokens are their own tensor, ``[B, n_h, D]``, the layout a head-paged
 cache stores, so the bytes counted are the bytes held (`kvevict.adapters.hf.heads.HeadCache`
@@ -38,10 +41,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvevict.errors import ConfigError
-from kvevict.tokens.base import eager_attention, register_token_policy
+from kvevict.tokens.base import register_token_policy
 from kvevict.tokens.heuristics import H2O
 from kvevict.tokens.learned import KVScorer, ScorerShape
-from kvevict.tokens.lkv import train_through
+from kvevict.tokens.lkv import context_rows, straight_through_attention, train_through
 
 __all__ = [
     "DEFAULT_DECAY",
@@ -298,17 +301,12 @@ class HeadGate:
         kept = (self.retention * self.budgets.shares()[layer]).clamp(max=1.0) * c  # [H]
         hard_n = kept.detach().round().clamp(min=1.0)
         soft = F.logsigmoid((kept[None, :, None] - rank - 0.5) / self.temperature)
-        hard = rank < hard_n[None, :, None]
-        bias_ctx = (~hard).float() * -1e9 + (soft - soft.detach())  # [B, Hkv, C]
+        hard = (rank >= hard_n[None, :, None]).float() * -1e9  # [B, Hkv, C]
         groups = query.shape[1] // key.shape[1]
-        bias_ctx = bias_ctx.repeat_interleave(groups, dim=1)  # [B, Hq, C]
-        tq, tk = query.shape[2], key.shape[-2]
-        rows = torch.arange(tk - tq, tk, device=query.device) >= c
-        full = F.pad(bias_ctx, (0, tk - c))[:, :, None, :]  # [B, Hq, 1, Tk]
-        bias = torch.where(rows[None, None, :, None], full, 0.0)
-        if attention_mask is not None:
-            bias = bias + attention_mask[:, :, :, :tk]
-        return eager_attention(query, key, value, bias, scaling)
+        hard, soft = hard.repeat_interleave(groups, dim=1), soft.repeat_interleave(groups, dim=1)
+        return straight_through_attention(
+            query, key, value, context_rows(c, query, key, hard),
+            context_rows(c, query, key, soft), attention_mask, scaling)
 
 
 def train_lkv_h(forward: Callable[[Tensor, HeadGate], Tensor],

@@ -44,6 +44,7 @@ __all__ = [
     "batches",
     "make_items",
     "min_length",
+    "packed_items",
     "training_batch",
 ]
 
@@ -192,6 +193,37 @@ def make_items(task: str, count: int, *, length: int = 1024, seed: int = 0) -> l
         tokens, questions, where = _context(task, length, rng)
         query, answer, held = questions[int(rng.integers(len(questions)))]
         evidence = tuple(sorted(p for r in held for p in where[r]))
+        items.append(TaskItem(task, (*tokens, *query), tuple(answer), evidence))
+    return items
+
+
+def packed_items(task: str, count: int, *, length: int = 1024, seed: int = 0
+                 ) -> list[TaskItem]:
+    """``count`` contexts of ``length`` tokens, each followed by *every* question of its task with
+    its answer (in a seeded order), as one `TaskItem`: the prompt is the context, then each
+    question and answer, then the last question; ``answer`` is the last answer; ``evidence``
+    holds every record's positions. The judge was trained on several questions per context, so
+    this is in its distribution. What it is for: the attention these questions give the
+    context (`kvevict.judge.judge_traces` with ``context=length``) is the attention a question
+    the compressor cannot know yet gives it, in expectation (recall has 24 questions per
+    context, so one question's attention misses 23 of the pairs a compressor must keep).
+
+    The item's ``context`` and ``question`` properties do not apply (the context is the first
+    ``length`` tokens)."""
+    if task not in TASKS:
+        raise ConfigError(f"unknown task {task!r}; expected one of {list(TASKS)}")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(f"count must be an int >= 1, got {count!r}")
+    rng = np.random.default_rng([seed, TASKS.index(task), length, 1])
+    items = []
+    for _ in range(count):
+        tokens, questions, where = _context(task, length, rng)
+        order = rng.permutation(len(questions))
+        for i in order[:-1]:
+            query, answer, _ = questions[int(i)]
+            tokens += [*query, *answer]
+        query, answer, _ = questions[int(order[-1])]
+        evidence = tuple(sorted(p for w in where for p in w))
         items.append(TaskItem(task, (*tokens, *query), tuple(answer), evidence))
     return items
 
