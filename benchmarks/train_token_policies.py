@@ -7,14 +7,17 @@ judge frozen, and write ``lkv_t.safetensors``, ``kvp.safetensors`` and ``lkv_h.s
 into the judge's folder,
 plus ``TOKEN_POLICIES.json`` (command, seed, wall time per method, SHA-256 of each file).
 
-- LKV-T (`kvevict.tokens.lkv`): end to end through the judge's answer loss, with a
-  straight-through top-k gate on the context keys at a retention drawn per step.
-- KVP (`kvevict.tokens.kvp`): REINFORCE on full-cache generation traces
+- LKV-T (`kvevict.tokens.lkv`): warm-started by distillation on the full-cache traces' future
+  attention (every question of a context asked after it, `packed_items`), then end to end
+  through the judge's answer loss, with a straight-through top-k gate on the context keys at
+  a retention drawn per step.
+- KVP (`kvevict.tokens.kvp`): REINFORCE on the same full-cache generation traces
   (`kvevict.judge.judge_traces`), rewarded by the future attention a ranking keeps at every
   budget.
 - LKV-H (`kvevict.tokens.heads`): per-(layer, head) budgets under the retention target, end to
   end through the judge's answer loss with a straight-through per-head cut; each head ranks
-  its tokens by key norm, so the budgets are the only thing learned.
+  its tokens by the LKV-T scorer's per-head scores (frozen), so the budgets are the only thing
+  learned.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ import torch
 from kvevict.judge import JUDGE_DIR, gated_logits, judge_traces, load_judge
 from kvevict.tokens.heads import save_budgets, train_lkv_h
 from kvevict.tokens.kvp import train_kvp
-from kvevict.tokens.learned import ScorerShape, save_scorer
+from kvevict.tokens.learned import ScorerShape, load_scorer, save_scorer
 from kvevict.tokens.lkv import train_lkv_t
-from kvevict.tokens.tasks import TASKS, make_items
+from kvevict.tokens.tasks import TASKS, make_items, packed_items
 
+METHODS = ("lkv_t", "kvp", "lkv_h")
 TRAIN_SEED = 30_000  # item seeds: disjoint from the judge's (10k, 20k) and the docs' (0..9)
 
 
@@ -55,10 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--judge", type=Path, default=JUDGE_DIR)
-    ap.add_argument("--items", type=int, default=96, help="training items per task")
+    ap.add_argument("--items", type=int, default=160, help="training contexts per task")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                    help="train only these; the others' files and manifest entries are kept")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_judge(args.judge)
@@ -72,32 +78,38 @@ def main(argv: list[str] | None = None) -> int:
     batches = lkv_batches(items, args.batch)
     order = torch.randperm(len(batches), generator=generator).tolist()
     batches = [batches[i] for i in order]
-    report = {"command": "python benchmarks/train_token_policies.py "
-              + " ".join(sys.argv[1:] if argv is None else argv), "seed": args.seed,
-              "items_per_task": args.items, "threads": args.threads}
+    manifest = args.judge / "TOKEN_POLICIES.json"
+    report = json.loads(manifest.read_text()) if manifest.is_file() else {}
+    command = "python benchmarks/train_token_policies.py " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    forward = lambda ids, gate: gated_logits(model, ids, gate)  # noqa: E731
 
-    start = time.perf_counter()
-    lkv = train_lkv_t(lambda ids, gate: gated_logits(model, ids, gate), batches, shape,
-                      epochs=args.epochs, seed=args.seed, log=lambda m: print(m, flush=True))
-    report["lkv_t_seconds"] = round(time.perf_counter() - start)
-    save_scorer(lkv, args.judge / "lkv_t.safetensors", method="lkv_t")
-
-    start = time.perf_counter()
-    traces = [tr for t in TASKS  # one task per batch: its items share their lengths
-              for tr in judge_traces(model, [it for it in items if it.task == t],
-                                     batch=args.batch)]
-    traces = [traces[i] for i in torch.randperm(len(traces), generator=generator).tolist()]
-    kvp = train_kvp(traces, shape, epochs=args.epochs + 1, seed=args.seed,
-                    log=lambda m: print(m, flush=True))
-    report["kvp_seconds"] = round(time.perf_counter() - start)
-    save_scorer(kvp, args.judge / "kvp.safetensors", method="kvp")
-
-    start = time.perf_counter()
-    budgets = train_lkv_h(lambda ids, gate: gated_logits(model, ids, gate), batches, shape,
-                          epochs=args.epochs, seed=args.seed, log=lambda m: print(m, flush=True))
-    report["lkv_h_seconds"] = round(time.perf_counter() - start)
-    save_budgets(budgets, args.judge / "lkv_h.safetensors")
-
+    traces = []
+    if {"lkv_t", "kvp"} & set(args.methods):  # every question of a context: its attention
+        traces = [tr for t in TASKS  # one task per batch: its items share their lengths
+                  for tr in judge_traces(model, packed_items(t, args.items, length=1024,
+                                                             seed=TRAIN_SEED + args.seed),
+                                         batch=args.batch, context=1024)]
+        traces = [traces[i] for i in torch.randperm(len(traces), generator=generator).tolist()]
+    for name in args.methods:
+        start = time.perf_counter()
+        if name == "lkv_t":
+            lkv = train_lkv_t(forward, batches, shape, traces=traces, seed=args.seed, log=log)
+            save_scorer(lkv, args.judge / "lkv_t.safetensors", method="lkv_t")
+        elif name == "kvp":
+            kvp = train_kvp(traces, shape, epochs=args.epochs + 1, seed=args.seed, log=log)
+            save_scorer(kvp, args.judge / "kvp.safetensors", method="kvp")
+        else:  # each head ranks its tokens by the LKV-T scorer's per-head scores
+            ranking = (lkv if "lkv_t" in args.methods
+                       else load_scorer(args.judge / "lkv_t.safetensors", shape, method="lkv_t"))
+            budgets = train_lkv_h(forward, batches, shape, epochs=args.epochs, seed=args.seed,
+                                  scoring=ranking, log=log)
+            save_budgets(budgets, args.judge / "lkv_h.safetensors")
+        report[f"{name}_seconds"] = round(time.perf_counter() - start)
+        report[f"{name}_command"] = command
+        report[f"{name}_items_per_task"] = args.items
+    report.update({"seed": args.seed, "threads": args.threads})
     for name in ("lkv_t", "kvp", "lkv_h"):
         data = (args.judge / f"{name}.safetensors").read_bytes()
         report[f"{name}_sha256"] = hashlib.sha256(data).hexdigest()
