@@ -61,3 +61,36 @@ def test_the_learned_token_policies_parameters_load_for_the_judge(judge):
         assert policy.scorer.shape == shape
     counts = load_budgets(JUDGE_DIR / "lkv_h.safetensors", shape).counts(0.15, 1024)
     assert int(counts.sum()) == round(0.15 * 1024 * 4 * 2)
+
+
+@pytest.mark.parametrize("name", ["lkv_t", "kvp"])
+def test_the_shipped_learned_parameters_make_the_same_choices_in_hf_and_the_engine(judge, name):
+    """The trained files, loaded by name in both: the built-in engine (the judge converted by
+    `from_hf`, the whole prompt prefilled in one chunk) and `PagedCache` in ``generate()`` keep
+    the same positions in every layer and generate the same greedy tokens, at 15% of a
+    1,024-token context."""
+    from kvevict.adapters.hf import PagedCache
+    from kvevict.engine import run_engine
+    from kvevict.engine.hf import from_hf
+    from kvevict.scheduler import SchedulerConfig
+    from kvevict.tokens import ScorerShape, make_token_policy
+    from kvevict.types import Request
+
+    item = make_items("needle", 1, length=1024, seed=0)[0]
+    ids = torch.tensor(item.prompt)
+    budget, new = 154, len(item.answer)
+    path = JUDGE_DIR / f"{name}.safetensors"
+    policy = make_token_policy(name, budget=budget, scorer=path, shape=ScorerShape.of(judge))
+    cache = PagedCache(judge, token_policy=policy)
+    with torch.no_grad():
+        out = judge.generate(ids[None], attention_mask=torch.ones_like(ids)[None], cache=cache,
+                             do_sample=False, max_new_tokens=new)  # the answer ends with EOS
+    want_tokens = out[0, len(ids):].tolist()
+    want_positions = [layer.positions[0].tolist() for layer in cache.layers]
+    result = run_engine([Request("a", tokens=ids.numpy(), output_len=new)], from_hf(judge),
+                        capacity_blocks=80, block_size=16, check=True,
+                        config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=1),
+                        token_policy=name, token_budget=budget, token_params={"scorer": path})
+    assert [list(p) for p in result.token_positions["a"]] == want_positions
+    assert list(result.answers["a"]) == want_tokens == list(item.answer)  # and it is right
+    assert len(want_positions) == 4 and all(len(p) == budget for p in want_positions)
