@@ -25,6 +25,7 @@ from kvevict.adapters.hf.routed import calibrate, routed_answers
 from kvevict.judge import JUDGE_DIR, load_judge
 from kvevict.layout import KVLayout
 from kvevict.stats import interval
+from kvevict.tokens import ScorerShape
 from kvevict.tokens.solver import Tuple, cost_table, route, total_bytes, uniform
 from kvevict.tokens.tasks import TASKS, make_items
 
@@ -48,23 +49,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--items", type=int, default=24)
     ap.add_argument("--calibration-items", type=int, default=16)
-    ap.add_argument("--policy", default="knorm", help="the attention-free token policy")
+    ap.add_argument("--policy", default="lkv_t",
+                    help="the attention-free token policy (lkv_t and kvp load the judge's "
+                         "shipped scorer)")
     ap.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
     ap.add_argument("--bits", type=lambda x: None if x == "none" else int(x), nargs="+",
                     default=list(BITS), help="bit widths, 'none' for unquantized")
+    ap.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("docs/img"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_judge(args.judge)
     layout = KVLayout.from_hf_config(model.config)
+    params = ({"scorer": args.judge / f"{args.policy}.safetensors",
+               "shape": ScorerShape.of(model)} if args.policy in ("lkv_t", "kvp") else {})
     candidates = tuples(args.ratios, args.bits)
     if Tuple(1.0, None, None) not in candidates:
         candidates.append(Tuple(1.0, None, None))  # the full cache: the calibration's base
     rows = []
-    for task in TASKS:
+    for task in args.tasks:
         calib = make_items(task, args.calibration_items, length=1024, seed=CALIBRATION_SEED)
-        losses = calibrate(model, calib, candidates, token_policy=args.policy)
+        losses = calibrate(model, calib, candidates, token_policy=args.policy,
+                           token_params=params)
         tokens = len(calib[0].context)
         costs = cost_table(layout, tokens, candidates)
         full = total_bytes([Tuple(1.0, None, None)] * layout.num_layers, costs)
@@ -75,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         for seed in args.seeds:
             items = make_items(task, args.items, length=1024, seed=seed)
             for name, routing in (("routed", routed), ("uniform", flat)):
-                answers, _ = routed_answers(model, items, routing, token_policy=args.policy)
+                answers, _ = routed_answers(model, items, routing, token_policy=args.policy,
+                                            token_params=params)
                 accs[name].append(exact(answers, items))
         diff = [r - u for r, u in zip(accs["routed"], accs["uniform"], strict=True)]
         row = {"task": task, "budget_bytes": budget, "full_bytes": full,

@@ -27,6 +27,7 @@ import torch
 from kvevict.judge import JUDGE_DIR, budget_for, judge_accuracy, kv_bytes, load_judge
 from kvevict.stats import interval
 from kvevict.tokens import KVScorer, ScorerShape
+from kvevict.tokens.learned import load_scorer
 from kvevict.tokens.tasks import TASKS, make_items
 
 FRACTIONS = (0.5, 0.25, 0.15, 0.1)
@@ -45,7 +46,9 @@ def head_accuracy(model, items, method: str, fraction: float) -> tuple[float, in
         params = {"scoring": "ema"}
     else:
         path = JUDGE_DIR / "lkv_h.safetensors"
-        params = {"scoring": "knorm", "budgets": path if path.is_file() else None}
+        ranking = load_scorer(JUDGE_DIR / "lkv_t.safetensors", ScorerShape.of(model),
+                              method="lkv_t")  # the ranking LKV-H's budgets were trained over
+        params = {"scoring": ranking, "budgets": path if path.is_file() else None}
     answers, held = head_answers(model, items, fraction, **params)
     right = sum(a == it.answer for a, it in zip(answers, items, strict=True))
     return right / len(items), held
@@ -109,12 +112,36 @@ def table(rows, fractions) -> str:
                 half = (r["high"] - r["low"]) / 2
                 cells.append(f"{100 * r['mean']:.1f} ± {100 * half:.1f}")
             lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    avg = ["\n**Mean over the three tasks at 15%**\n", "| policy | accuracy |", "|---|---|"]
-    for p in ["full", *policies]:
-        sel = [r["mean"] for r in rows if r["policy"] == p
-               and (r["fraction"] == 0.15 or p == "full")]
-        avg.append(f"| {p} | {100 * statistics.fmean(sel):.1f} |")
-    return "\n".join(lines + avg)
+    return "\n".join(lines + [mean_table(rows, policies)])
+
+
+def task_mean(rows, policy: str, fraction: float) -> list[float]:
+    """Per evaluation seed, the mean exact match over the three tasks (the full cache for
+    ``policy == "full"``)."""
+    per_task = [next(r["per_seed"] for r in rows if r["task"] == t and r["policy"] == policy
+                     and (policy == "full" or r["fraction"] == fraction)) for t in TASKS]
+    return [statistics.fmean(seed) for seed in zip(*per_task, strict=True)]
+
+
+def mean_table(rows, policies, fraction: float = 0.15) -> str:
+    """The mean over the three tasks at ``fraction`` per policy, with a 95% interval over the
+    seeds, and the best learned policy minus the best heuristic, paired by seed."""
+    lines = [f"\n**Mean over the three tasks at {round(100 * fraction)}%** (95% interval over "
+             "the seeds)\n", "| policy | accuracy |", "|---|---|"]
+    means = {p: task_mean(rows, p, fraction) for p in ["full", *policies]}
+    for p, m in means.items():
+        iv = interval(m)
+        lines.append(f"| {p} | {100 * iv.mean:.1f} ± {100 * (iv.high - iv.mean):.1f} |")
+    learned = [p for p in policies if p in (*LEARNED, "lkv_h")]
+    heuristic = [p for p in policies if p not in learned]
+    if learned and heuristic:
+        best_l = max(learned, key=lambda p: statistics.fmean(means[p]))
+        best_h = max(heuristic, key=lambda p: statistics.fmean(means[p]))
+        diff = interval([a - b for a, b in zip(means[best_l], means[best_h], strict=True)])
+        lines.append(f"\nBest learned ({best_l}) minus best heuristic ({best_h}), paired by "
+                     f"seed: {100 * diff.mean:+.1f} ± {100 * (diff.high - diff.mean):.1f} "
+                     "points.")
+    return "\n".join(lines)
 
 
 def plot(rows, path: Path) -> None:
@@ -124,7 +151,7 @@ def plot(rows, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))
-    fig, axes = plt.subplots(1, len(TASKS), figsize=(4.2 * len(TASKS), 3.6), sharey=True)
+    fig, axes = plt.subplots(1, len(TASKS), figsize=(4.2 * len(TASKS), 4.2), sharey=True)
     for ax, task in zip(axes, TASKS, strict=True):
         full = next(r for r in rows if r["task"] == task and r["policy"] == "full")
         ax.axhline(100 * full["mean"], color="black", lw=1, ls="--", label="full cache")
@@ -136,15 +163,19 @@ def plot(rows, path: Path) -> None:
             err = [[100 * (r["mean"] - r["low"]) for r in rs],
                    [100 * (r["high"] - r["mean"]) for r in rs]]
             style = "-o" if p in (*LEARNED, "lkv_h") else "--s"
-            ax.errorbar(x, y, yerr=err, fmt=style, ms=4, capsize=2, label=p)
+            ax.errorbar(x, y, yerr=err, fmt=style, ms=4, capsize=2, label=p, alpha=0.85)
         ax.set_xscale("log")
+        ax.set_ylim(-5, 105)  # exact match; an interval past 0 or 100 is cut at the frame
         ax.set_title(task)
         ax.set_xlabel("KV kept (KiB, all layers)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("exact match (%)")
-    axes[-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle("Judge accuracy vs KV bytes (mean and 95% CI over evaluation seeds)")
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=(len(labels) + 1) // 2, fontsize=8,
+               frameon=False)
+    fig.suptitle("Judge accuracy vs KV bytes (mean and 95% CI over evaluation seeds; "
+                 "solid: learned)")
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
 
 
@@ -207,7 +238,24 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --decode: a seeded random model of the judge's shape (the cost "
                          "of a step does not depend on the weights)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                    help="combine the tokens_accuracy.json of runs over disjoint --policies "
+                         "(e.g. one per core) into --out's JSON, table and PNG, and exit")
     args = ap.parse_args(argv)
+    if args.merge:
+        rows, seen = [], set()
+        for path in args.merge:
+            for r in json.loads(path.read_text()):
+                key = (r["task"], r["policy"], r["fraction"])
+                if key not in seen:  # the full cache is in every run
+                    seen.add(key)
+                    rows.append(r)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "tokens_accuracy.json").write_text(json.dumps(rows, indent=1) + "\n")
+        plot(rows, args.out / "tokens_accuracy.png")
+        print(table(rows, sorted({r["fraction"] for r in rows if r["policy"] != "full"},
+                                 reverse=True)))
+        return 0
     torch.set_num_threads(args.threads)
     if args.random_judge:
         from train_judge import judge_config

@@ -42,6 +42,23 @@ def test_golden_full_cache_and_streamingllm_accuracy(judge):
     assert stream == {"recall": 0.0625, "needle": 0.1875, "vartrack": 0.0}
 
 
+def test_golden_learned_accuracy_at_15_percent(judge):
+    """The shipped LKV-T and KVP at 15% of the context, through the production path (the
+    docs' grid, evaluation seed 0): LKV-T keeps the full cache's answers on every task; KVP
+    learned the needle only."""
+    from kvevict.tokens import ScorerShape
+
+    got = {}
+    for name in ("lkv_t", "kvp"):
+        got[name] = {task: judge_accuracy(judge, make_items(task, 16, length=1024, seed=0),
+                                          name, fraction=0.15,
+                                          scorer=JUDGE_DIR / f"{name}.safetensors",
+                                          shape=ScorerShape.of(judge))
+                     for task in TASKS}
+    assert got["lkv_t"] == {"recall": 1.0, "needle": 0.9375, "vartrack": 0.9375}
+    assert got["kvp"] == {"recall": 0.375, "needle": 0.9375, "vartrack": 0.0}
+
+
 def test_the_learned_token_policies_parameters_load_for_the_judge(judge):
     """LKV-T, KVP and LKV-H were trained on this judge: their files match the report's digests
     and load for its shape (a file for another shape is refused, tests/test_tokens_heads.py)."""
