@@ -42,6 +42,8 @@ class KVPolicy(LearnedTokenPolicy):
         scorer: a trained per-head `KVScorer`, or the path of its file
             (``JUDGE_DIR / "kvp.safetensors"`` for the judge).
         shape: the model's `ScorerShape`, when ``scorer`` is a path.
+        n_recent: the newest tokens always kept (default
+            `kvevict.tokens.learned.N_RECENT`).
     """
 
     method: ClassVar[str] = "kvp"

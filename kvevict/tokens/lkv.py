@@ -50,8 +50,8 @@ from kvevict.tokens.learned import (
     distill_scorer,
 )
 
-__all__ = ["GatedAttention", "LKVToken", "straight_through_attention", "train_lkv_t",
-           "train_through"]
+__all__ = ["GatedAttention", "LKVToken", "context_rows", "straight_through_attention",
+           "train_lkv_t", "train_through"]
 
 
 @register_token_policy("lkv_t")
@@ -63,6 +63,8 @@ class LKVToken(LearnedTokenPolicy):
         scorer: a trained `KVScorer`, or the path of its file (``JUDGE_DIR / "lkv_t.safetensors"``
             for the judge).
         shape: the model's `ScorerShape`, when ``scorer`` is a path.
+        n_recent: the newest tokens always kept (default
+            `kvevict.tokens.learned.N_RECENT`).
     """
 
     method: ClassVar[str] = "lkv_t"
