@@ -95,6 +95,33 @@ def test_bad_routings_are_refused(model):
         RoutedCache(model, [WHOLE, WHOLE], token_policy="snapkv")
 
 
+def test_calibration_shares_one_prefill_and_equals_a_prefill_per_routing(model):
+    """`calibrate` prefills once and compresses a reroute of it per tuple: the losses are
+    exactly those of a fresh prefill and compression per routing."""
+    from kvevict.adapters.hf.routed import routed_attention
+
+    items = make_items("needle", 3, length=90, seed=2)
+    tuples = [WHOLE, Tuple(0.5, 4, 8), Tuple(0.25, 2, None)]
+    losses = calibrate(model, items, tuples)
+
+    def fresh(routing):  # the answers' mean NLL after a prefill and compression of its own
+        cache = RoutedCache(model, routing)
+        with routed_attention(model), torch.no_grad():
+            model(input_ids=torch.tensor([it.context for it in items]), cache=cache)
+            cache.compress()
+            rest = torch.tensor([(*it.question, *it.answer[:-1]) for it in items])
+            logp = torch.log_softmax(model(input_ids=rest, cache=cache).logits[:, 1:].float(),
+                                     dim=-1)
+        answer = torch.tensor([it.answer for it in items])
+        return float(-logp.gather(2, answer[:, :, None]).mean())
+
+    base = fresh([WHOLE, WHOLE])
+    for layer in range(2):
+        for t in tuples[1:]:
+            assert losses[layer][t] == fresh([t if i == layer else WHOLE for i in range(2)]) - base
+    assert len({v for row in losses for v in row.values()}) > 2  # the tuples do differ
+
+
 def test_calibration_routing_and_the_uniform_baseline(model):
     items = make_items("recall", 4, length=100, seed=4)
     tuples = [WHOLE, Tuple(0.5, 8, 8), Tuple(0.25, 4, 4), Tuple(0.1, 2, 2)]

@@ -175,6 +175,18 @@ class RoutedLayer(ResidualLayer):
         k, v = self._dequantized()
         return torch.cat([k, self.keys], dim=-2), torch.cat([v, self.values], dim=-2)
 
+    def rerouted(self, route: Tuple) -> RoutedLayer:
+        """A layer holding this (uncompressed) layer's prefill that will compress with
+        ``route``. The prefill's tensors are shared, not copied: compressing gathers new ones
+        and never writes into them."""
+        if self.compressed:
+            raise ConfigError("a compressed layer cannot be rerouted")
+        layer = RoutedLayer(self.layer_idx, route)
+        if self.is_initialized:
+            layer.lazy_initialization(self.keys, self.values)
+            layer.keys, layer.values, layer.seen = self.keys, self.values, self.seen
+        return layer
+
     def compress(self, make_policy: Callable[[int], TokenPolicy]) -> None:
         """Keep this layer's share of the context and quantize it (once, after prefill);
         ``make_policy(budget)`` gives the token policy that chooses."""
@@ -262,6 +274,18 @@ class RoutedCache(Cache):
                 raise ConfigError("compress() needs a prefill first")
             layer.compress(self._policy_for)
 
+    def rerouted(self, routing: Sequence[Any]) -> RoutedCache:
+        """A cache holding this one's prefill (not compressed yet) that will compress with
+        ``routing``: one prefill serves every routing calibration tries."""
+        routes = [check_tuple(tuple(t)) for t in routing]
+        if len(routes) != len(self.layers):
+            raise ConfigError(f"routing has {len(routes)} tuples but the model has "
+                              f"{len(self.layers)} layers; give one per layer")
+        clone = copy.copy(self)
+        clone.routing = routes
+        clone.layers = [layer.rerouted(r) for layer, r in zip(self.layers, routes, strict=True)]
+        return clone
+
     def _policy_for(self, budget: int) -> TokenPolicy:
         """The token policy keeping ``budget`` tokens (a copy of an instance)."""
         if isinstance(self.token_policy, str):
@@ -302,22 +326,29 @@ def routed_answers(model: Any, items: Sequence[TaskItem], routing: Sequence[Any]
     return answers, held
 
 
+def _prefilled(model: Any, items: Sequence[TaskItem], routing: Sequence[Any],
+               token_policy: str | TokenPolicy, token_params: dict[str, Any] | None
+               ) -> RoutedCache:
+    """A `RoutedCache` holding ``items``' contexts, prefilled, not compressed yet."""
+    (items,) = batches(items, len(items))  # one batch: equal lengths, checked
+    cache = RoutedCache(model, routing, token_policy=token_policy, token_params=token_params)
+    model(input_ids=torch.tensor([it.context for it in items]), cache=cache, use_cache=True)
+    return cache
+
+
 def _compressed(model: Any, items: Sequence[TaskItem], routing: Sequence[Any],
                 token_policy: str | TokenPolicy, token_params: dict[str, Any] | None
                 ) -> RoutedCache:
     """A `RoutedCache` holding ``items``' contexts, prefilled and compressed."""
-    (items,) = batches(items, len(items))  # one batch: equal lengths, checked
-    cache = RoutedCache(model, routing, token_policy=token_policy, token_params=token_params)
-    model(input_ids=torch.tensor([it.context for it in items]), cache=cache, use_cache=True)
+    cache = _prefilled(model, items, routing, token_policy, token_params)
     cache.compress()
     return cache
 
 
 @torch.no_grad()
-def _answer_nll(model: Any, items: Sequence[TaskItem], routing: Sequence[Any],
-                token_policy: str | TokenPolicy, token_params: dict[str, Any] | None) -> float:
-    """Mean negative log-likelihood of the answer tokens, teacher-forced, under ``routing``."""
-    cache = _compressed(model, items, routing, token_policy, token_params)
+def _answer_nll(model: Any, items: Sequence[TaskItem], cache: RoutedCache) -> float:
+    """Mean negative log-likelihood of the answer tokens, teacher-forced, on ``cache`` (the
+    items' contexts, compressed)."""
     ctx = len(items[0].context)
     rest = torch.tensor([(*it.question, *it.answer[:-1]) for it in items])
     logits = model(input_ids=rest, cache=cache, use_cache=True).logits.float()
@@ -332,18 +363,28 @@ def calibrate(model: Any, items: Sequence[TaskItem], tuples: Sequence[Any], *,
               token_params: dict[str, Any] | None = None) -> list[dict[Tuple, float]]:
     """MoE-nD's offline calibration: ``losses[l][t]``, the increase of the answers' mean
     negative log-likelihood when layer ``l`` alone is compressed with tuple ``t`` (every other
-    layer kept whole, unquantized), on calibration ``items`` (one batch: equal lengths)."""
+    layer kept whole, unquantized), on calibration ``items`` (one batch: equal lengths).
+
+    The contexts are prefilled once (a prefill does not depend on the routing: every layer
+    attends to its whole context until `RoutedCache.compress`); each tuple compresses that
+    prefill (`RoutedCache.rerouted`)."""
     tuples = [check_tuple(tuple(t)) for t in tuples]
     layers = model.config.num_hidden_layers
     whole = Tuple(1.0, None, None)
-    with routed_attention(model):
-        base = _answer_nll(model, items, [whole] * layers, token_policy, token_params)
+
+    def nll(routing: list[Tuple]) -> float:  # the one prefill, compressed with ``routing``
+        cache = prefill.rerouted(routing)
+        cache.compress()
+        return _answer_nll(model, items, cache)
+
+    with routed_attention(model), torch.no_grad():
+        prefill = _prefilled(model, items, [whole] * layers, token_policy, token_params)
+        base = nll([whole] * layers)
         table: list[dict[Tuple, float]] = []
         for layer in range(layers):
             row = {}
             for t in tuples:
                 routing = [t if i == layer else whole for i in range(layers)]
-                row[t] = 0.0 if t == whole else (
-                    _answer_nll(model, items, routing, token_policy, token_params) - base)
+                row[t] = 0.0 if t == whole else nll(routing) - base
             table.append(row)
     return table
