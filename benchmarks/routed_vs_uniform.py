@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--items", type=int, default=24)
     ap.add_argument("--calibration-items", type=int, default=16)
-    ap.add_argument("--policy", default="lkv_t",
+    ap.add_argument("--policy", default="knorm",
                     help="the attention-free token policy (lkv_t and kvp load the judge's "
                          "shipped scorer)")
     ap.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
