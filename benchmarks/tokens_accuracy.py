@@ -46,8 +46,8 @@ def head_accuracy(model, items, method: str, fraction: float) -> tuple[float, in
         params = {"scoring": "ema"}
     else:
         path = JUDGE_DIR / "lkv_h.safetensors"
-        ranking = load_scorer(JUDGE_DIR / "lkv_t.safetensors", ScorerShape.of(model),
-                              method="lkv_t")  # the ranking LKV-H's budgets were trained over
+        ranking = load_scorer(JUDGE_DIR / "lkv_h_scorer.safetensors", ScorerShape.of(model),
+                              method="lkv_h")  # the ranking LKV-H's budgets were trained over
         params = {"scoring": ranking, "budgets": path if path.is_file() else None}
     answers, held = head_answers(model, items, fraction, **params)
     right = sum(a == it.answer for a, it in zip(answers, items, strict=True))

@@ -2,10 +2,10 @@
 
     python benchmarks/train_token_policies.py --seed 0
 
-Both train on fresh items of the three tasks (seeds disjoint from every evaluation set) with the
-judge frozen, and write ``lkv_t.safetensors``, ``kvp.safetensors`` and ``lkv_h.safetensors``
-into the judge's folder,
-plus ``TOKEN_POLICIES.json`` (command, seed, wall time per method, SHA-256 of each file).
+All train on fresh items of the three tasks (seeds disjoint from every evaluation set) with the
+judge frozen, and write ``lkv_t.safetensors``, ``kvp.safetensors``, ``lkv_h.safetensors`` and
+``lkv_h_scorer.safetensors`` into the judge's folder, plus ``TOKEN_POLICIES.json`` (command,
+threads, wall time and items per method, SHA-256 of each file).
 
 - LKV-T (`kvevict.tokens.lkv`): warm-started by distillation on the full-cache traces' future
   attention (every question of a context asked after it, `packed_items`), then end to end
@@ -14,10 +14,10 @@ plus ``TOKEN_POLICIES.json`` (command, seed, wall time per method, SHA-256 of ea
 - KVP (`kvevict.tokens.kvp`): REINFORCE on the same full-cache generation traces
   (`kvevict.judge.judge_traces`), rewarded by the future attention a ranking keeps at every
   budget.
-- LKV-H (`kvevict.tokens.heads`): per-(layer, head) budgets under the retention target, end to
-  end through the judge's answer loss with a straight-through per-head cut; each head ranks
-  its tokens by the LKV-T scorer's per-head scores (frozen), so the budgets are the only thing
-  learned.
+- LKV-H (`kvevict.tokens.heads`): a per-(layer, head) scorer distilled from each head's own
+  future attention on the same traces (``lkv_h_scorer.safetensors``), then per-(layer, head)
+  budgets under the retention target, end to end through the judge's answer loss with a
+  straight-through per-head cut over that (frozen) ranking.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from kvevict.judge import JUDGE_DIR, gated_logits, judge_traces, load_judge
 from kvevict.tokens.heads import save_budgets, train_lkv_h
 from kvevict.tokens.kvp import train_kvp
-from kvevict.tokens.learned import ScorerShape, load_scorer, save_scorer
+from kvevict.tokens.learned import KVScorer, ScorerShape, distill_scorer, save_scorer
 from kvevict.tokens.lkv import train_lkv_t
 from kvevict.tokens.tasks import TASKS, make_items, packed_items
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     forward = lambda ids, gate: gated_logits(model, ids, gate)  # noqa: E731
 
     traces = []
-    if {"lkv_t", "kvp"} & set(args.methods):  # every question of a context: its attention
+    if args.methods:  # every question of a context: the attention all three learn from
         traces = [tr for t in TASKS  # one task per batch: its items share their lengths
                   for tr in judge_traces(model, packed_items(t, args.items, length=1024,
                                                              seed=TRAIN_SEED + args.seed),
@@ -100,17 +100,21 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "kvp":
             kvp = train_kvp(traces, shape, epochs=args.epochs + 1, seed=args.seed, log=log)
             save_scorer(kvp, args.judge / "kvp.safetensors", method="kvp")
-        else:  # each head ranks its tokens by the LKV-T scorer's per-head scores
-            ranking = (lkv if "lkv_t" in args.methods
-                       else load_scorer(args.judge / "lkv_t.safetensors", shape, method="lkv_t"))
+        else:  # each head ranks its tokens by its own distilled scorer, then the budgets
+            torch.manual_seed(args.seed)
+            ranking = distill_scorer(KVScorer(shape, 128, per_head=True), traces,
+                                     seed=args.seed, log=log)
+            save_scorer(ranking, args.judge / "lkv_h_scorer.safetensors", method="lkv_h")
             budgets = train_lkv_h(forward, batches, shape, epochs=args.epochs, seed=args.seed,
                                   scoring=ranking, log=log)
             save_budgets(budgets, args.judge / "lkv_h.safetensors")
         report[f"{name}_seconds"] = round(time.perf_counter() - start)
         report[f"{name}_command"] = command
         report[f"{name}_items_per_task"] = args.items
-    report.update({"seed": args.seed, "threads": args.threads})
-    for name in ("lkv_t", "kvp", "lkv_h"):
+        report[f"{name}_threads"] = args.threads
+    report.update({"seed": args.seed})
+    report.pop("threads", None)  # per method now
+    for name in ("lkv_t", "kvp", "lkv_h", "lkv_h_scorer"):
         data = (args.judge / f"{name}.safetensors").read_bytes()
         report[f"{name}_sha256"] = hashlib.sha256(data).hexdigest()
     (args.judge / "TOKEN_POLICIES.json").write_text(json.dumps(report, indent=1) + "\n")

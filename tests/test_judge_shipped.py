@@ -66,9 +66,10 @@ def test_the_learned_token_policies_parameters_load_for_the_judge(judge):
 
     from kvevict.tokens import ScorerShape, make_token_policy
     from kvevict.tokens.heads import load_budgets
+    from kvevict.tokens.learned import load_scorer
 
     report = json.loads((JUDGE_DIR / "TOKEN_POLICIES.json").read_text())
-    for name in ("lkv_t", "kvp", "lkv_h"):
+    for name in ("lkv_t", "kvp", "lkv_h", "lkv_h_scorer"):
         data = (JUDGE_DIR / f"{name}.safetensors").read_bytes()
         assert hashlib.sha256(data).hexdigest() == report[f"{name}_sha256"]
     shape = ScorerShape.of(judge)
@@ -76,6 +77,8 @@ def test_the_learned_token_policies_parameters_load_for_the_judge(judge):
         policy = make_token_policy(name, budget=154, scorer=JUDGE_DIR / f"{name}.safetensors",
                                    shape=shape)
         assert policy.scorer.shape == shape
+    ranking = load_scorer(JUDGE_DIR / "lkv_h_scorer.safetensors", shape, method="lkv_h")
+    assert ranking.per_head and ranking.shape == shape
     counts = load_budgets(JUDGE_DIR / "lkv_h.safetensors", shape).counts(0.15, 1024)
     assert int(counts.sum()) == round(0.15 * 1024 * 4 * 2)
 

@@ -19,8 +19,9 @@ that by letting each head choose:
   forward pass is the deployed eviction (a head's tokens past its count get ``-inf``), the
   gradient is that of the soft cut ``log σ((n - rank - ½) / τ)`` (`straight_through_attention`,
   so a token past the count still tells its head whether more budget would have helped). Each
-  head ranks its tokens by ``scoring``: the shipped budgets use the LKV-T scorer's per-head
-  scores (`train_token_policies.py`), since key norms do not rank the judge's tokens well.
+  head ranks its tokens by ``scoring``: the shipped budgets use a per-head `KVScorer`
+  distilled from each head's own future attention (``lkv_h_scorer.safetensors``,
+  `train_token_policies.py`), since key norms do not rank the judge's tokens well.
 
 Here each head's kept tokens are their own tensor, ``[B, n_h, D]``, the layout a head-paged
 cache stores, so the bytes counted are the bytes held (`kvevict.adapters.hf.heads.HeadCache`
