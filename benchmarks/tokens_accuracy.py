@@ -36,6 +36,8 @@ LEARNED = ("lkv_t", "kvp")
 #: Head-granular methods (`kvevict.adapters.hf.heads.HeadCache`): each kv head keeps its own
 #: tokens; ``ema_heads`` with equal counts per head, ``lkv_h`` with the learned budgets.
 HEADS = ("ema_heads", "lkv_h")
+#: Every learned method (plotted solid, compared with the best heuristic).
+LEARNED_ALL = (*LEARNED, "lkv_h")
 
 
 def head_accuracy(model, items, method: str, fraction: float) -> tuple[float, int]:
@@ -132,7 +134,7 @@ def mean_table(rows, policies, fraction: float = 0.15) -> str:
     for p, m in means.items():
         iv = interval(m)
         lines.append(f"| {p} | {100 * iv.mean:.1f} ± {100 * (iv.high - iv.mean):.1f} |")
-    learned = [p for p in policies if p in (*LEARNED, "lkv_h")]
+    learned = [p for p in policies if p in LEARNED_ALL]
     heuristic = [p for p in policies if p not in learned]
     if learned and heuristic:
         best_l = max(learned, key=lambda p: statistics.fmean(means[p]))
@@ -162,7 +164,7 @@ def plot(rows, path: Path) -> None:
             y = [100 * r["mean"] for r in rs]
             err = [[100 * (r["mean"] - r["low"]) for r in rs],
                    [100 * (r["high"] - r["mean"]) for r in rs]]
-            style = "-o" if p in (*LEARNED, "lkv_h") else "--s"
+            style = "-o" if p in LEARNED_ALL else "--s"
             ax.errorbar(x, y, yerr=err, fmt=style, ms=4, capsize=2, label=p, alpha=0.85)
         ax.set_xscale("log")
         ax.set_ylim(-5, 105)  # exact match; an interval past 0 or 100 is cut at the frame

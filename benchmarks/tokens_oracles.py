@@ -26,9 +26,7 @@ from torch import Tensor
 
 from kvevict.judge import budget_for, judge_accuracy, judge_traces, load_judge
 from kvevict.tokens.base import TokenPolicy
-from kvevict.tokens.tasks import TASKS, make_items
-
-FILLER_START = 416  # kvevict.tokens.tasks: filler tokens are 416-511
+from kvevict.tokens.tasks import FILLER, TASKS, make_items
 
 
 class FutureAttention(TokenPolicy):
@@ -58,7 +56,7 @@ class Records(TokenPolicy):
     def score(self, layer_idx, keys, values, positions, attention=None, *, valid=None):
         length = self.ids.shape[1]
         token = self.ids.gather(1, positions.clamp(max=length - 1))
-        keep = (token < FILLER_START) | (positions >= length)
+        keep = (token < FILLER[0]) | (positions >= length)
         return self._mask(keep.float() * 1e6 + positions.float(), valid)
 
 

@@ -85,13 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda m: print(m, flush=True)  # noqa: E731
     forward = lambda ids, gate: gated_logits(model, ids, gate)  # noqa: E731
 
-    traces = []
-    if args.methods:  # every question of a context: the attention all three learn from
-        traces = [tr for t in TASKS  # one task per batch: its items share their lengths
-                  for tr in judge_traces(model, packed_items(t, args.items, length=1024,
-                                                             seed=TRAIN_SEED + args.seed),
-                                         batch=args.batch, context=1024)]
-        traces = [traces[i] for i in torch.randperm(len(traces), generator=generator).tolist()]
+    # every question of a context after it: the attention all three learn from (one task per
+    # batch: its items share their lengths)
+    traces = [tr for t in TASKS
+              for tr in judge_traces(model, packed_items(t, args.items, length=1024,
+                                                         seed=TRAIN_SEED + args.seed),
+                                     batch=args.batch, context=1024)]
+    traces = [traces[i] for i in torch.randperm(len(traces), generator=generator).tolist()]
     for name in args.methods:
         start = time.perf_counter()
         if name == "lkv_t":
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         report[f"{name}_command"] = command
         report[f"{name}_items_per_task"] = args.items
         report[f"{name}_threads"] = args.threads
-    report.update({"seed": args.seed})
-    report.pop("threads", None)  # per method now
+    report["seed"] = args.seed
     for name in ("lkv_t", "kvp", "lkv_h", "lkv_h_scorer"):
         data = (args.judge / f"{name}.safetensors").read_bytes()
         report[f"{name}_sha256"] = hashlib.sha256(data).hexdigest()

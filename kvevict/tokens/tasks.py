@@ -26,6 +26,7 @@ filler 416–511.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -35,6 +36,7 @@ from kvevict.errors import ConfigError
 __all__ = [
     "BOS",
     "EOS",
+    "FILLER",
     "PAD",
     "QUERY",
     "QUESTION_LENGTH",
@@ -55,7 +57,8 @@ _DISTRACTORS = tuple(range(9, 16))
 VAR = 16
 _KEYS = (32, 288)
 _VALUES = (288, 416)
-_FILLER = (416, 512)
+#: Filler tokens: ``FILLER[0] <= token < FILLER[1]``.
+FILLER = (416, 512)
 VOCAB_SIZE = 512
 #: Tokens of every question: ``QUERY`` and the queried token; the answer follows directly
 #: (as in Zoology's MQAR, so the answer is read by one induction step from the queried token).
@@ -154,7 +157,7 @@ def _context(task: str, length: int, rng: np.random.Generator, scale: float = 1.
     if body < 0:
         raise ConfigError(f"context length {length} is too short for task {task!r}")
     cuts = np.sort(rng.integers(0, body + 1, len(records)))  # records may sit side by side
-    filler = rng.integers(*_FILLER, size=body)
+    filler = rng.integers(*FILLER, size=body)
     tokens = [BOS, _TASK_MARK[task]]
     where: list[list[int]] = [[] for _ in records]
     start = 0
@@ -180,13 +183,18 @@ def batches(items: Sequence[TaskItem], size: int) -> list[Sequence[TaskItem]]:
     return out
 
 
-def make_items(task: str, count: int, *, length: int = 1024, seed: int = 0) -> list[TaskItem]:
-    """``count`` reproducible questions of ``task``, each over its own context of ``length``
-    tokens (one question per context)."""
+def _check_items(task: str, count: Any) -> None:
+    """`make_items`' and `packed_items`' arguments: a known task, a count >= 1."""
     if task not in TASKS:
         raise ConfigError(f"unknown task {task!r}; expected one of {list(TASKS)}")
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ConfigError(f"count must be an int >= 1, got {count!r}")
+
+
+def make_items(task: str, count: int, *, length: int = 1024, seed: int = 0) -> list[TaskItem]:
+    """``count`` reproducible questions of ``task``, each over its own context of ``length``
+    tokens (one question per context)."""
+    _check_items(task, count)
     rng = np.random.default_rng([seed, TASKS.index(task), length])
     items = []
     for _ in range(count):
@@ -210,10 +218,7 @@ def packed_items(task: str, count: int, *, length: int = 1024, seed: int = 0
 
     The item's ``context`` and ``question`` properties do not apply (the context is the first
     ``length`` tokens)."""
-    if task not in TASKS:
-        raise ConfigError(f"unknown task {task!r}; expected one of {list(TASKS)}")
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ConfigError(f"count must be an int >= 1, got {count!r}")
+    _check_items(task, count)
     rng = np.random.default_rng([seed, TASKS.index(task), length, 1])
     items = []
     for _ in range(count):
