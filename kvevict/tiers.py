@@ -559,6 +559,20 @@ class BlockIndex:
                 else:
                     self.children[block.parent_hash] = {kids.block_hash: kids, h: block}
 
+    def remove(self, block: BlockInfo) -> None:
+        """Take ``block`` out (`add` undone): its hash, its entry among its parent's children
+        (the entry goes once no child is left)."""
+        h = block.block_hash
+        del self.blocks[h]
+        if block.depth > 0:
+            up = block.parent_hash
+            kids = self.children.pop(up, None)
+            if kids is not block and kids is not None:  # siblings: put the rest back
+                if kids.__class__ is dict:
+                    kids.pop(h, None)
+                if kids:
+                    self.children[up] = kids
+
     def children_of(self, block_hash: Any) -> list[BlockInfo]:
         """The lower-tier children of the block with this hash, in the order they were
         placed."""
@@ -737,7 +751,7 @@ class Tier:
         Returns where it stopped (``len(blocks)`` when it placed or left out every block),
         and how many blocks it placed, victims it let go and blocks it left out."""
         lookup = self._lookup
-        index, children = lookup.blocks, lookup.children
+        children, index, unindex = lookup.children, lookup.add, lookup.remove
         records, candidates, held, free = self._records, self._candidates, self._held, \
             self._free
         pop, policy, on_candidate, on_insert = self._pop, self.policy, self._on_candidate, \
@@ -796,28 +810,10 @@ class Tier:
             if not block.num_children:
                 candidates[slot] = block
                 on_candidate(block, now)
-            # the stack's index: the victim out (as `_release`), the block in (as
-            # `BlockIndex.add`)
+            # the stack's index: the victim out, the block in
             if victim is not None:
-                gone = victim.block_hash
-                del index[gone]
-                if victim.depth > 0:
-                    up = victim.parent_hash
-                    kids = children.pop(up, None)
-                    if kids is not victim and kids is not None:  # siblings: the rest back
-                        if kids.__class__ is dict:
-                            kids.pop(gone, None)
-                        if kids:
-                            children[up] = kids
-            index[h] = block
-            if block.depth > 0:
-                up = block.parent_hash
-                kids = children.setdefault(up, block)
-                if kids is not block:  # a second child
-                    if kids.__class__ is dict:
-                        kids[h] = block
-                    else:
-                        children[up] = {kids.block_hash: kids, h: block}
+                unindex(victim)
+            index(block)
         placed = end - start - dropped
         return end, placed, placed - added, dropped
 
@@ -833,8 +829,7 @@ class Tier:
         name, records, candidates, held, free = self.name, self._records, self._candidates, \
             self._held, self._free
         policy, frees = self.policy, self._frees
-        lookup = self._lookup
-        index, children = lookup.blocks, lookup.children
+        unindex = self._lookup.remove
         for i in range(start, stop):
             block = blocks[i]
             slot = block.block_id
@@ -859,18 +854,7 @@ class Tier:
                     candidates[parent.block_id] = parent
                     policy.on_candidate(parent, now)  # type: ignore[union-attr]
             block.tier = "dropped"
-            # out of the stack's index (`BlockIndex`): its hash, its entry among its
-            # parent's children
-            h = block.block_hash
-            del index[h]
-            if block.depth > 0:
-                up = block.parent_hash
-                kids = children.pop(up, None)
-                if kids is not block and kids is not None:  # siblings: put the rest back
-                    if kids.__class__ is dict:
-                        kids.pop(h, None)
-                    if kids:
-                        children[up] = kids
+            unindex(block)  # out of the stack's index
         return stop
 
     def bind_policy(self, policy: Policy, block_size: int) -> None:
