@@ -16,6 +16,7 @@ from kvevict.tokens import (
     KVScorer,
     ScorerShape,
     SnapKV,
+    TOKEN_POLICIES,
     StreamingLLM,
     TokenPolicy,
     available_token_policies,
@@ -487,16 +488,16 @@ def test_selection_properties(case):
 
 
 def test_registry():
-    assert available_token_policies() == ["ema", "h2o", "knorm", "kvp", "lkv_t", "snapkv",
-                                          "streamingllm", "tova"]
+    assert available_token_policies() == ["ema", "ema_heads", "h2o", "knorm", "kvp", "lkv_h",
+                                          "lkv_t", "snapkv", "streamingllm", "tova"]
     policy = make_token_policy("snapkv", budget=64, window_size=8, kernel_size=7,
                                pooling="max")
     assert isinstance(policy, SnapKV) and policy.needs_attention
     assert repr(policy) == "SnapKV(budget=64, window_size=8, kernel_size=7, pooling='max')"
     assert make_token_policy(policy) is policy
     assert not StreamingLLM(8).needs_attention and H2O(8).n_recent == 4
-    with pytest.raises(ConfigError, match="valid names: ema, h2o, knorm, kvp, lkv_t, snapkv, "
-                                          "streamingllm, tova"):
+    with pytest.raises(ConfigError, match="valid names: ema, ema_heads, h2o, knorm, kvp, "
+                                          "lkv_h, lkv_t, snapkv, streamingllm, tova"):
         make_token_policy("lru", budget=4)
     with pytest.raises(ConfigError, match=r"no parameter.*window.*accepts: budget, n_sink"):
         make_token_policy("streamingllm", budget=8, window=3)
@@ -605,6 +606,8 @@ def test_empty_cache():
     keys, values, positions, valid, attn = inputs(2, 1, 0, queries=1)
     scorer = {"scorer": KVScorer(ScorerShape(layers=1, kv_heads=1, key_dim=4, value_dim=4))}
     for name in available_token_policies():
+        if TOKEN_POLICIES.get(name).granularity == "head":
+            continue  # per-head positions: tests/test_tokens_heads_paged.py
         policy = make_token_policy(name, budget=4, **({"window_size": 2}
                                                        if name == "snapkv" else {"n_sink": 1}
                                                        if name == "streamingllm" else scorer

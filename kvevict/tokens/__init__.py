@@ -3,7 +3,9 @@
 A `TokenPolicy` (`kvevict.tokens.base`, where the shapes and the selection rule are
 documented) scores the tokens an attention layer stores and keeps ``budget`` of them per
 sequence; the caller (the Hugging Face adapter, the engine) gathers the kept keys and values.
-The training-free policies are in `kvevict.tokens.heuristics`; `kvevict.tokens.tasks` holds the
+The training-free policies are in `kvevict.tokens.heuristics`; the head-granular ones
+(``ema_heads``, ``lkv_h``: each kv head keeps its own tokens) in
+`kvevict.tokens.head_policies`; `kvevict.tokens.tasks` holds the
 synthetic long-context tasks the judge model is trained and evaluated on.
 """
 
@@ -14,6 +16,7 @@ from kvevict.tokens.base import (
     make_token_policy,
     register_token_policy,
 )
+from kvevict.tokens.head_policies import EMAHeads, HeadTokenPolicy, LKVHeads
 from kvevict.tokens.heads import EMAAttention, HeadBudgets
 from kvevict.tokens.heuristics import H2O, KeyNorm, SnapKV, StreamingLLM
 from kvevict.tokens.kvp import KVPolicy
@@ -26,10 +29,13 @@ __all__ = [
     "TOKEN_POLICIES",
     "TOVA",
     "EMAAttention",
+    "EMAHeads",
     "HeadBudgets",
+    "HeadTokenPolicy",
     "KVPolicy",
     "KVScorer",
     "KeyNorm",
+    "LKVHeads",
     "LKVToken",
     "LearnedTokenPolicy",
     "ScorerShape",

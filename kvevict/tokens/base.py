@@ -22,6 +22,17 @@ layer's cache stays rectangular: ``select`` returns ``[B, min(budget, T)]`` slot
 ascending per row. A row with fewer valid tokens than that keeps all of them, padded with its
 invalid slots (the caller gathers ``valid`` with the same indices).
 
+**Head-granular policies** (``granularity = "head"``, `kvevict.tokens.head_policies`) let each
+kv head keep its own tokens and its own count. Keys are stored after RoPE, so any token can sit
+in any slot of any head: ``positions`` and ``valid`` are then ``[B, Hkv, T]`` (each head's own
+slots), ``head_counts(layer_idx, T, Hkv)`` says how many slots each head of a layer keeps, and
+``select`` returns long ``[B, Hkv, W]`` with ``W`` the largest of those counts: head ``h``'s
+first ``counts[h]`` entries are its kept slots, ascending and unique; its entries past that are
+any slot indices (the caller gathers them and marks them invalid). The caller stores the layer
+``W'`` slots wide (``W'``, the widest layer's ``W``, is the same for every layer of a store whose
+blocks hold all layers) and masks each head's slots past its count out of attention
+(`check_head_selection` validates what ``select`` returned and says which slots are live).
+
 Ties are broken deterministically: equal scores keep the more recent token (larger position,
 then later slot). NaN scores rank below every other valid token.
 
@@ -33,7 +44,7 @@ with ``make_token_policy(name, budget=..., **params)``.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -46,8 +57,10 @@ __all__ = [
     "TOKEN_POLICIES",
     "TokenPolicy",
     "available_token_policies",
+    "check_head_selection",
     "check_int",
     "eager_attention",
+    "head_counts_of",
     "make_token_policy",
     "newest",
     "oldest",
@@ -133,6 +146,10 @@ class TokenPolicy(abc.ABC):
     name: ClassVar[str] = ""
     #: True when `score` / `select` need the ``attention`` argument.
     needs_attention: ClassVar[bool] = False
+    #: ``"layer"``: one selection per layer, shared by its kv heads (``select`` returns
+    #: ``[B, count]``); ``"head"``: each kv head keeps its own slots (``select`` returns
+    #: ``[B, Hkv, W]``, positions and validity are ``[B, Hkv, T]``; see `head_counts`).
+    granularity: ClassVar[str] = "layer"
 
     def __init__(self, budget: int) -> None:
         self.budget = check_int("budget", budget, minimum=1)
@@ -143,6 +160,12 @@ class TokenPolicy(abc.ABC):
     def reorder(self, batch_indices: Tensor) -> None:
         """Follow a reordering of the batch rows (beam search): row ``i`` becomes the old row
         ``batch_indices[i]``. No-op for stateless policies."""
+
+    def head_counts(self, layer_idx: int, length: int, kv_heads: int) -> list[int]:
+        """How many of ``length`` stored slots each of the ``kv_heads`` heads of ``layer_idx``
+        keeps (each in ``[1, length]``, 0 when empty): every head ``min(budget, length)`` here. A
+        head-granular policy may give heads, and layers, different counts (LKV-H)."""
+        return [min(self.budget, length)] * kv_heads
 
     @abc.abstractmethod
     def score(self, layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor,
@@ -185,15 +208,17 @@ class TokenPolicy(abc.ABC):
                 or _shape(values)[:3] != (batch, heads, length)):
             raise ConfigError(f"values must have shape [B, Hkv, T, Dv] = [{batch}, {heads}, "
                               f"{length}, Dv] like keys, got {_describe(values)}")
-        if (not isinstance(positions, Tensor) or _shape(positions) != (batch, length)
+        rows, names = ((batch, length), "[B, T]") if self.granularity == "layer" else (
+            (batch, heads, length), "[B, Hkv, T]")
+        if (not isinstance(positions, Tensor) or _shape(positions) != rows
                 or positions.is_floating_point() or positions.dtype == torch.bool
                 or positions.is_complex()):
-            raise ConfigError(f"positions must be an integer tensor of shape [B, T] = "
-                              f"[{batch}, {length}], got {_describe(positions)}")
+            raise ConfigError(f"positions must be an integer tensor of shape {names} = "
+                              f"{list(rows)}, got {_describe(positions)}")
         if valid is not None and (not isinstance(valid, Tensor) or valid.dtype != torch.bool
-                                  or _shape(valid) != (batch, length)):
-            raise ConfigError(f"valid must be a bool tensor of shape [B, T] = [{batch}, "
-                              f"{length}], got {_describe(valid)}")
+                                  or _shape(valid) != rows):
+            raise ConfigError(f"valid must be a bool tensor of shape {names} = {list(rows)}, "
+                              f"got {_describe(valid)}")
         if attention is None:
             if self.needs_attention:
                 raise ConfigError(f"policy {self.name or type(self).__name__!r} needs "
@@ -230,6 +255,51 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__}"
 
 
+# -- what a head-granular select returns -------------------------------------------------
+
+
+def head_counts_of(policy: TokenPolicy, layer_idx: int, length: int, kv_heads: int) -> list[int]:
+    """``policy.head_counts(layer_idx, length, kv_heads)``, checked: one int in
+    ``[1, length]`` per kv head (0 for an empty layer), else `PolicyError`."""
+    counts = policy.head_counts(layer_idx, length, kv_heads)
+    least = min(1, length)
+    if (not isinstance(counts, (list, tuple)) or len(counts) != kv_heads
+            or any(isinstance(n, bool) or not isinstance(n, int) or not least <= n <= length
+                   for n in counts)):
+        raise PolicyError(f"{policy!r}.head_counts({layer_idx}, {length}, {kv_heads}) returned "
+                          f"{counts!r}; expected {kv_heads} ints in [{least}, {length}]")
+    return list(counts)
+
+
+def check_head_selection(policy: TokenPolicy, kept: Any, batch: int, counts: Sequence[int],
+                         length: int, width: int) -> tuple[Tensor, Tensor]:
+    """Check what a head-granular ``select`` returned for one layer of ``length`` slots, and
+    widen it to the store's ``width`` (at least ``max(counts)``).
+
+    ``kept`` must be long ``[B, Hkv, max(counts)]`` with slot indices in ``[0, length)``, head
+    ``h``'s first ``counts[h]`` ascending and unique; otherwise `PolicyError`. Returns the
+    slots to gather, long ``[B, Hkv, width]`` (each head's row padded with its last entry), and
+    which of them are live, bool ``[Hkv, width]`` (``j < counts[h]``): the others are masked
+    out of attention."""
+    heads, widest = len(counts), max(counts)
+    if (not isinstance(kept, Tensor) or kept.dtype != torch.long
+            or _shape(kept) != (batch, heads, widest)):
+        got = _shape(kept) if isinstance(kept, Tensor) else type(kept).__name__
+        raise PolicyError(f"{policy!r}.select returned {got}; expected a long tensor of shape "
+                          f"{(batch, heads, widest)} (per kv head, its {list(counts)} kept slots)")
+    if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= length):
+        raise PolicyError(f"{policy!r}.select returned slot indices outside [0, {length})")
+    live = (torch.arange(width, device=kept.device)[None, :]
+            < torch.tensor(list(counts), device=kept.device)[:, None])
+    if widest > 1 and not bool(((kept[..., 1:] > kept[..., :-1])
+                                | ~live[None, :, 1:widest]).all()):
+        raise PolicyError(f"{policy!r}.select must return each head's kept slots ascending and "
+                          "unique")
+    if width > widest:
+        kept = torch.cat([kept, kept[..., -1:].expand(batch, heads, width - widest)], dim=-1)
+    return kept, live
+
+
 # -- the attention a policy is given --------------------------------------------------------
 
 
@@ -239,7 +309,8 @@ def window_attention(queries: Tensor, keys: Tensor, valid: Tensor, scaling: floa
     Args:
         queries: ``[B, Hq, W, D]``, the last ``W`` queries of this forward.
         keys: ``[B, Hkv, T, D]`` stored keys, this forward's new ones last (at least ``W``).
-        valid: bool ``[B, T]``; invalid (padding) slots get no attention.
+        valid: bool ``[B, T]``, or ``[B, Hkv, T]`` for a head-granular store (each head's own
+            slots); invalid (padding, or past a head's count) slots get no attention.
         scaling: the softmax temperature of the model (``head_dim ** -0.5`` usually).
 
     Returns:
@@ -255,7 +326,8 @@ def window_attention(queries: Tensor, keys: Tensor, valid: Tensor, scaling: floa
     logits = logits.view(batch, kv_heads, group, window, length)
     last_visible = length - window + torch.arange(window, device=keys.device)  # own slot
     causal = torch.arange(length, device=keys.device)[None, :] <= last_visible[:, None]
-    visible = causal[None, None, None] & valid[:, None, None, None, :]
+    per_head = valid[:, :, None, None, :] if valid.dim() == 3 else valid[:, None, None, None, :]
+    visible = causal[None, None, None] & per_head
     probs = torch.softmax(logits.masked_fill(~visible, -torch.inf), dim=-1).nan_to_num(0.0)
     return probs.mean(dim=2)
 

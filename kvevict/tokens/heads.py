@@ -23,10 +23,12 @@ that by letting each head choose:
   distilled from each head's own future attention (``lkv_h_scorer.safetensors``,
   `train_token_policies.py`), since key norms do not rank the judge's tokens well.
 
-Here each head's kept tokens are their own tensor, ``[B, n_h, D]``, the layout a head-paged
-cache stores, so the bytes counted are the bytes held (`kvevict.adapters.hf.heads.HeadCache`
-runs it in ``generate()``). `allocate` turns shares into integer counts that sum exactly to the
-target; `select_heads` picks each head's tokens.
+Both run through ``make_token_policy("ema_heads" | "lkv_h", ...)`` in every cache
+(`kvevict.tokens.head_policies`: each head keeps its own slots of a rectangular store, evicting
+at every forward). `kvevict.adapters.hf.heads.HeadCache` runs them as context compression
+instead, each head's kept tokens their own tensor ``[B, n_h, D]``, the layout a head-paged
+cache stores, so the bytes counted are the bytes held. `allocate` turns shares into integer
+counts that sum exactly to the target; `select_heads` picks each head's tokens.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ __all__ = [
     "HeadBudgets",
     "HeadGate",
     "allocate",
+    "check_decay",
     "check_retention",
     "ema_attention",
     "head_scores",
@@ -67,6 +70,13 @@ __all__ = [
 DEFAULT_DECAY = 1.0 - 1.0 / 64
 #: How `head_scores` can score a head's tokens (or pass a per-head `KVScorer`).
 HEAD_SCORINGS = ("ema", "knorm")
+
+
+def check_decay(decay: Any) -> float:
+    """``decay`` as a float in (0, 1); `ConfigError` otherwise."""
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
+        raise ConfigError(f"decay must be in (0, 1), got {decay!r}")
+    return float(decay)
 
 
 def check_retention(retention: Any) -> float:
@@ -84,8 +94,7 @@ def ema_attention(weights: Tensor, decay: float = DEFAULT_DECAY,
     ``weights`` ``[B, H, Q, T]`` are the softmax probabilities of ``Q`` queries in order; the
     EMA after them is ``s ← decay · s + (1 - decay) · p_q``, starting from ``previous``
     (``[B, H, T']``, ``T' <= T``; newer tokens start at 0) or from zeros."""
-    if not 0.0 < decay < 1.0:
-        raise ConfigError(f"decay must be in (0, 1), got {decay!r}")
+    check_decay(decay)
     q, length = weights.shape[2], weights.shape[3]
     ages = torch.arange(q - 1, -1, -1, device=weights.device, dtype=torch.float64)
     w = ((1.0 - decay) * decay ** ages).to(torch.float32)
@@ -102,7 +111,7 @@ class EMAAttention(H2O):
     H2O's accumulation with a decay: each forward folds its queries' attention into the kept
     tokens' EMA (`ema_attention`, the kv heads averaged), so what the recent queries attend to
     counts most; new tokens start at 0. For one selection per head use
-    `kvevict.adapters.hf.heads.HeadCache` with ``scoring="ema"``.
+    ``make_token_policy("ema_heads", ...)`` (`kvevict.tokens.head_policies.EMAHeads`).
 
     Args:
         budget: tokens kept per sequence per layer.
@@ -112,10 +121,7 @@ class EMAAttention(H2O):
 
     def __init__(self, budget: int, decay: float = DEFAULT_DECAY, n_recent: int = 0) -> None:
         super().__init__(budget, n_recent)
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not (
-                0.0 < decay < 1.0):
-            raise ConfigError(f"decay must be in (0, 1), got {decay!r}")
-        self.decay = float(decay)
+        self.decay = check_decay(decay)
 
     def _accumulate(self, layer_idx: int, attention: Tensor) -> Tensor:
         """The kept tokens' EMA grown to ``T`` slots and folded with this call's attention."""
