@@ -409,7 +409,8 @@ class EngineExecutor(Executor):
             entries[i] = (entries[i][0], slot, w.table)
         rows, captured = self.model.forward_paged(
             self.pool, entries, positions=[w.start for w in compute],
-            queries=[tokens.queries(w.end - w.start) for w in compute])
+            queries=[tokens.queries(w.end - w.start) for w in compute],
+            head_masks=tokens.head_masks(items))
         tokens.after_forward(manager, self.pool, items, captured)
         return rows
 

@@ -626,6 +626,7 @@ class LlamaModel:
         return_all: bool = False,
         positions: Sequence[int] | None = None,
         queries: Sequence[int] | None = None,
+        head_masks: Sequence[torch.Tensor | None] | None = None,
     ) -> Any:
         """Run new tokens of several sequences, with K/V stored in and read from ``pool``.
 
@@ -661,6 +662,12 @@ class LlamaModel:
         the rotation of their original position. A position other than the slot needs full
         attention in every layer (a sliding window counts positions): `ConfigError`.
 
+        **Per-head masks** (``head_masks``, head-granular token eviction): an entry's mask,
+        bool ``[num_layers, num_kv_heads, start]``, says which of its ``start`` stored slots
+        each (layer, kv head) attends to; its new tokens are always seen (causally). Such an
+        entry runs its own attention call, under that mask, even as a decode; entries without
+        a mask take the batched paths above.
+
         Args:
             pool: the tensor-backed `BlockPool` (`check_pool`).
             seqs: ``(token_ids, start, block_table)`` per sequence (see above).
@@ -668,6 +675,7 @@ class LlamaModel:
             positions: per entry, the position of its first new token (None: ``start``).
             queries: per entry, how many of its last new tokens' queries (post-RoPE) to
                 return as well, ``0 .. n`` (None: none, and the plain return value).
+            head_masks: per entry, None or its per-head mask (see above); None: no masks.
 
         Returns:
             float32 logits of each sequence's last new token, ``[len(seqs), vocab]``; with
@@ -679,11 +687,13 @@ class LlamaModel:
         prepared = self._check_entries(pool, seqs)
         logical = self._check_positions(prepared, positions)
         capture = self._check_queries(prepared, queries)
+        masked = self._check_head_masks(prepared, head_masks)
         bs, dev = pool.block_size, self.device
         # decode entries sorted by context length, then cut into buckets (see _decode_buckets)
-        decode = sorted((i for i, e in enumerate(prepared) if e[0].shape[0] == 1),
+        decode = sorted((i for i, e in enumerate(prepared)
+                         if e[0].shape[0] == 1 and masked[i] is None),
                         key=lambda i: prepared[i][1])
-        longer = [i for i, e in enumerate(prepared) if e[0].shape[0] > 1]
+        longer = [i for i, e in enumerate(prepared) if e[0].shape[0] > 1 or masked[i] is not None]
         order = decode + longer
 
         # RoPE positions and flat pool slots (block * block_size + offset) of every new token
@@ -721,6 +731,7 @@ class LlamaModel:
                         for w in set(self._windows)} if decode else {}
         longer_plans = {w: [_chunk_plan(prepared[i], bs, w, dev) for i in longer]
                         for w in set(self._windows)} if longer else {}
+        longer_masks = [masked[i] for i in longer]
         kv = pool.kv
         assert kv is not None  # checked by check_pool
         c = self.config
@@ -738,11 +749,11 @@ class LlamaModel:
                 for (lo, hi), plan in zip(buckets, decode_plans[window], strict=True):
                     outs.append(self._decode_attention(kv, li, q[lo:hi], plan))
             offset = len(decode)
-            for plan in longer_plans.get(window, []):
+            for plan, heads in zip(longer_plans.get(window, []), longer_masks):
                 n = plan.num_new
                 outs.append(self._chunk_attention(kv, li, q[offset:offset + n],
                                                   k[offset:offset + n], v[offset:offset + n],
-                                                  plan))
+                                                  plan, None if heads is None else heads[li]))
                 offset += n
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -801,6 +812,31 @@ class LlamaModel:
                                   f"tokens), got {count!r}")
         return list(queries)
 
+    def _check_head_masks(self, prepared: list[tuple[torch.Tensor, int, list[int]]],
+                          head_masks: Any) -> list[torch.Tensor | None]:
+        """Validate ``forward_paged``'s ``head_masks``; return one (or None) per entry."""
+        if head_masks is None:
+            return [None] * len(prepared)
+        if isinstance(head_masks, (str, bytes)) or not isinstance(head_masks, Sequence) or \
+                len(head_masks) != len(prepared):
+            raise ConfigError(f"head_masks must be a list of {len(prepared)} masks or None "
+                              f"(one per entry of seqs), got {head_masks!r}")
+        c = self.config
+        out: list[torch.Tensor | None] = []
+        for i, (mask, (_, start, _)) in enumerate(zip(head_masks, prepared)):
+            want = (c.num_layers, c.num_kv_heads, start)
+            if mask is not None and (not isinstance(mask, torch.Tensor)
+                                     or mask.dtype != torch.bool or tuple(mask.shape) != want):
+                got = (f"{mask.dtype} {list(mask.shape)}" if isinstance(mask, torch.Tensor)
+                       else type(mask).__name__)
+                raise ConfigError(f"head_masks[{i}] must be None or a bool tensor of shape "
+                                  f"{list(want)} [layers, kv heads, stored slots], got {got}")
+            if mask is not None and any(w is not None for w in self._windows):
+                raise ConfigError("head_masks need full attention in every layer; this model "
+                                  "has a sliding window")
+            out.append(None if mask is None or start == 0 else mask.to(self.device))
+        return out
+
     def _decode_attention(self, kv: torch.Tensor, li: int, q: torch.Tensor,
                           plan: _DecodePlan) -> torch.Tensor:
         """One query per sequence (``q [B, Hq, D]``) over its context, all in one call."""
@@ -813,17 +849,23 @@ class LlamaModel:
         return out.reshape(b, -1)
 
     def _chunk_attention(self, kv: torch.Tensor, li: int, q: torch.Tensor, k_new: torch.Tensor,
-                         v_new: torch.Tensor, plan: _ChunkPlan) -> torch.Tensor:
-        """Several new tokens of one sequence (``q [n, Hq, D]``) over its context."""
+                         v_new: torch.Tensor, plan: _ChunkPlan,
+                         heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Several new tokens of one sequence (``q [n, Hq, D]``) over its context; ``heads``
+        (bool ``[Hkv, start]``, or None) masks stored slots per kv head."""
         c = self.config
+        mask = plan.mask
+        if heads is not None:  # start > 0 and full attention: the context is slots 0 .. end
+            seen = torch.cat([heads, heads.new_ones((heads.shape[0], plan.num_new))], dim=1)
+            mask = plan.mask[None] & seen.repeat_interleave(c.group_size, dim=0)[:, None]
         if plan.blocks is None:  # start == 0: the context is exactly the new tokens
             k, v = k_new, v_new
         else:
             shape = (-1, c.num_kv_heads, c.head_dim)
             k = kv[li, 0].index_select(0, plan.blocks).view(shape)[plan.lo:plan.hi]
             v = kv[li, 1].index_select(0, plan.blocks).view(shape)[plan.lo:plan.hi]
-        out = self._sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), plan.mask,
-                         causal=plan.mask is None)
+        out = self._sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask,
+                         causal=mask is None)
         return out.transpose(0, 1).reshape(q.shape[0], -1)
 
 

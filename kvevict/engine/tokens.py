@@ -19,6 +19,16 @@ tokens to the policy, layer by layer, as the Hugging Face adapter's ``PagedLayer
   the slots after the kept ones, rotated by their own position: kept tokens keep the rotation
   of theirs (no re-rotation), and the logical length keeps counting.
 
+**Head-granular policies** (``granularity == "head"``: ``ema_heads``, ``lkv_h``) keep each kv
+head's own slots: per layer and head the policy's ``head_counts`` of the stored slots; each
+head's kept K/V go to the sequence's first slots of that head (keys are stored after RoPE, so
+any token can sit in any slot of any head), every layer keeps ``W`` slots, the most any
+(layer, head) keeps, and `KVCacheManager.compact` gives the blocks past ``W`` back. Positions
+and validity are kept per (layer, head); a head's slots past its count are invalid, and
+`head_masks` hands them to `LlamaModel.forward_paged` (``head_masks=``), which masks them out
+of that head's attention. A sequence whose slots are all valid (equal counts) has no mask and
+runs the engine's batched decode path.
+
 **Caching.** A compacted block no longer holds the tokens its hash names, so a request that
 may be compacted (`TokenEviction.uncacheable`: its prompt plus the decodes it will compute
 exceed the budget) must be begun uncacheable (the manager's ``uncacheable`` predicate): it
@@ -47,7 +57,7 @@ from kvevict.errors import ConfigError, KVEvictError, PolicyError
 from kvevict.manager import KVCacheManager, Sequence
 from kvevict.pool import BlockPool
 from kvevict.tokens import TOKEN_POLICIES, ScorerShape, TokenPolicy, make_token_policy
-from kvevict.tokens.base import window_attention
+from kvevict.tokens.base import check_head_selection, head_counts_of, window_attention
 from kvevict.types import Request
 
 __all__ = ["TokenEviction"]
@@ -60,8 +70,12 @@ class _SeqState:
 
     owner: Any  #: the scheduler's `RequestState` (its status says when to forget this)
     policy: TokenPolicy
-    positions: list[Tensor]  #: per layer, long ``[stored]``: the original positions
+    #: per layer, long ``[stored]``: the original positions (``[Hkv, stored]`` per head for a
+    #: head-granular policy)
+    positions: list[Tensor]
     stored: int  #: slots per layer
+    #: head-granular policy: per layer, bool ``[Hkv, stored]``, False past a head's count
+    valid: list[Tensor] | None = None
 
 
 @attrs.define
@@ -134,6 +148,8 @@ class TokenEviction:
         self.budget = built.budget
         #: whether each sequence gets its own copy of the policy (it overrides ``reset``)
         self.stateful = type(built).reset is not TokenPolicy.reset
+        #: whether each kv head keeps its own slots (``granularity == "head"``)
+        self.head_granular = built.granularity == "head"
         self.scaling = c.attention_scale if c.attention_scale is not None \
             else c.head_dim ** -0.5
         self.compactions = 0
@@ -155,12 +171,13 @@ class TokenEviction:
         policy that scores attention (as the adapter's default), else none."""
         return count if self.policy.needs_attention else 0
 
-    def kept_positions(self, seq_id: Any) -> tuple[tuple[int, ...], ...] | None:
+    def kept_positions(self, seq_id: Any) -> tuple[Any, ...] | None:
         """Per layer, the original positions of the tokens a sequence stores (after its last
-        forward; kept after it finished), or None for one never run."""
+        forward; kept after it finished), or None for one never run. With a head-granular
+        policy, per layer a tuple per kv head of its valid slots' positions, in slot order."""
         state = self._states.get(seq_id)
         if state is not None:
-            return tuple(tuple(p.tolist()) for p in state.positions)
+            return _positions(state)
         return self._final.get(seq_id)
 
     def all_kept_positions(self) -> dict[Any, tuple[tuple[int, ...], ...]]:
@@ -176,7 +193,7 @@ class TokenEviction:
         for seq_id in [k for k, s in self._states.items() if s.owner.status != "running"]:
             state = self._states.pop(seq_id)
             if state.owner.status == "finished":
-                self._final[seq_id] = tuple(tuple(p.tolist()) for p in state.positions)
+                self._final[seq_id] = _positions(state)
 
     def check_sequence(self, seq: Sequence) -> None:
         """`ConfigError` when ``seq`` may be compacted but was begun cacheable (the manager
@@ -204,11 +221,29 @@ class TokenEviction:
                 policy = copy.deepcopy(policy)
                 policy.reset()
             state = _SeqState(owner, policy, [prior] * layers, slot)
+            if self.head_granular:
+                heads = self.model.config.num_kv_heads
+                state.positions = [prior.expand(heads, slot)] * layers
+                state.valid = [torch.ones((heads, slot), dtype=torch.bool,
+                                          device=self.model.device)] * layers
             self._states[seq.seq_id] = state
         elif state.stored != slot:
             raise KVEvictError(f"internal error: request {seq.seq_id!r} stores "
                                f"{state.stored} slots but its next token goes to slot {slot}")
         return _Item(state, seq.seq_id, slot, position, count, table)
+
+    def head_masks(self, items: list[_Item]) -> list[Tensor | None] | None:
+        """Per item, bool ``[layers, Hkv, slot]``: which of its stored slots each (layer, kv
+        head) attends to, or None where every slot is valid: ``forward_paged``'s
+        ``head_masks=``. None for a policy that is not head-granular."""
+        if not self.head_granular:
+            return None
+        masks: list[Tensor | None] = []
+        for item in items:
+            valid = item.state.valid
+            masks.append(None if valid is None or all(bool(v.all()) for v in valid)
+                         else torch.stack(valid))
+        return masks
 
     # -- after the forward -----------------------------------------------------------------
 
@@ -220,6 +255,9 @@ class TokenEviction:
 
     def _apply(self, manager: KVCacheManager, pool: BlockPool, item: _Item,
                queries: list[Tensor] | None) -> None:
+        if self.head_granular:
+            self._apply_heads(manager, pool, item, queries)
+            return
         state, policy = item.state, item.state.policy
         device = self.model.device
         new = torch.arange(item.position, item.position + item.count, device=device)
@@ -268,5 +306,67 @@ class TokenEviction:
             self.dropped_tokens += length - count
             state.stored = count
 
+    def _apply_heads(self, manager: KVCacheManager, pool: BlockPool, item: _Item,
+                     queries: list[Tensor] | None) -> None:
+        """`_apply` for a head-granular policy: per (layer, kv head) its ``head_counts`` slots,
+        written into that head's first slots; every layer keeps the widest count's slots."""
+        state, policy = item.state, item.state.policy
+        assert state.valid is not None  # item() built the state for a head-granular policy
+        c = self.model.config
+        device, heads = self.model.device, c.num_kv_heads
+        new = torch.arange(item.position, item.position + item.count, device=device)
+        state.positions = [torch.cat((p, new.expand(heads, -1)), dim=1)
+                           for p in state.positions]
+        fresh = torch.ones((heads, item.count), dtype=torch.bool, device=device)
+        state.valid = [torch.cat((v, fresh), dim=1) for v in state.valid]
+        length = state.stored = item.slot + item.count
+        counts = [head_counts_of(policy, li, length, heads) for li in range(c.num_layers)]
+        if min(min(n) for n in counts) == length and not policy.needs_attention:
+            return
+        if policy.needs_attention and queries is None:
+            raise KVEvictError(f"internal error: no queries captured for {item.seq_id!r}")
+        width = max(max(n) for n in counts)
+        bs = pool.block_size
+        kv = pool.kv
+        assert kv is not None  # the executor checked the pool
+        blocks = torch.tensor(item.table[:-(-length // bs)], device=device)
+        slots = torch.arange(width, device=device)
+        slots = blocks[slots // bs] * bs + slots % bs  # where the kept tokens go
+        for li in range(c.num_layers):
+            k = kv[li, 0].index_select(0, blocks).view(-1, heads, c.head_dim)[:length]
+            v = kv[li, 1].index_select(0, blocks).view(-1, heads, c.head_dim)[:length]
+            keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            positions, valid = state.positions[li], state.valid[li]
+            attention = None
+            if policy.needs_attention:
+                attention = window_attention(queries[li][None], keys, valid[None],  # type: ignore
+                                             self.scaling)
+            kept = policy.select(li, keys, values, positions[None], valid[None],
+                                 attention=attention)
+            index, live = check_head_selection(policy, kept, 1, counts[li], length, width)
+            if min(counts[li]) == length:
+                continue  # every slot of every head kept
+            index = index[0].to(device)  # [Hkv, width]
+            gather = index[..., None].expand(heads, width, c.head_dim)
+            kv[li, 0].view(-1, heads, c.head_dim).index_copy_(
+                0, slots, keys[0].gather(1, gather).transpose(0, 1))
+            kv[li, 1].view(-1, heads, c.head_dim).index_copy_(
+                0, slots, values[0].gather(1, gather).transpose(0, 1))
+            state.positions[li] = positions.gather(1, index)
+            state.valid[li] = valid.gather(1, index) & live.to(device)
+        if width < length:
+            self.freed_blocks += len(manager.compact(item.seq_id, width))
+            self.compactions += 1
+            self.dropped_tokens += length - width
+            state.stored = width
+
     def __repr__(self) -> str:
         return f"TokenEviction({self.policy!r})"
+
+
+def _positions(state: _SeqState) -> tuple[Any, ...]:
+    """`TokenEviction.kept_positions` of one sequence's state."""
+    if state.valid is None:
+        return tuple(tuple(p.tolist()) for p in state.positions)
+    return tuple(tuple(tuple(p[h][v[h]].tolist()) for h in range(p.shape[0]))
+                 for p, v in zip(state.positions, state.valid, strict=True))

@@ -18,6 +18,15 @@ positions (no re-rotation). ``get_seq_length`` stays the logical length ``L`` (t
 while ``get_mask_sizes`` reports the stored ``S`` plus the offset ``L - S``, so transformers'
 masks and positions stay right. Padding is tracked per slot from the 2-D mask: padded slots
 are evicted first, and the mask handed to the model is remapped to the kept slots.
+
+A head-granular policy (``granularity == "head"``: ``ema_heads``, ``lkv_h``) lets each kv head
+keep its own tokens and its own count: a layer stores, per head, its kept slots first, every
+layer as many slots as the widest (layer, head) keeps (the pool's blocks hold all layers), and
+a head's slots past its count are invalid. transformers builds one mask for all heads, so the
+attention modules' pre-hook replaces it, in a layer where some head has an invalid slot, by
+`head_mask`: an additive ``[B, Hq, q, S + q]`` mask per query head (eager and SDPA attention
+honour it). Where every stored slot is valid (equal counts, no padding) transformers' own mask
+is used unchanged.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from kvevict.adapters.hf.model import (
 from kvevict.errors import ConfigError, PolicyError
 from kvevict.pool import BlockPool
 from kvevict.tokens import TokenPolicy, make_token_policy
-from kvevict.tokens.base import window_attention
+from kvevict.tokens.base import head_counts_of, window_attention
 
 __all__ = ["PagedCache"]
 
@@ -87,9 +96,16 @@ class PagedCache(Cache):
         self.attention_queries = _optional_count("attention_queries", attention_queries)
         self._wants_queries = bool(self.token_policy is not None
                                    and self.token_policy.needs_attention)
-        if self._wants_queries:
+        self._head_granular = bool(self.token_policy is not None
+                                   and self.token_policy.granularity == "head")
+        if self._head_granular and spec.has_special_layers:
+            raise ConfigError(f"head-granular token policy {self.token_policy!r} needs full "
+                              f"attention in every layer; {spec.model_name} has sliding-window "
+                              "or other special layers")
+        if self._wants_queries or self._head_granular:
             self._attention_modules = _checked_attention_modules(model, spec, self.token_policy)
-        install_hooks(model.base_model, PagedCache, attention=self._wants_queries)
+        install_hooks(model.base_model, PagedCache,
+                      attention=self._wants_queries or self._head_granular)
         layers: list[Any] = []
         for idx, (kind, kwargs) in enumerate(zip(spec.layer_types, spec.layer_kwargs)):
             if kind == PAGED_LAYER_TYPE:
@@ -157,6 +173,13 @@ class PagedCache(Cache):
         """Whether the token policy scores attention, so the attention hooks must capture
         each forward's queries (`capture_queries`)."""
         return self._wants_queries
+
+    @property
+    def head_granular(self) -> bool:
+        """Whether the token policy keeps its own slots per kv head (``granularity ==
+        "head"``), so the paged layers store per-head positions and validity and the attention
+        modules' pre-hook asks for `head_mask`."""
+        return self._head_granular
 
     @property
     def block_tables(self) -> list[list[int]]:
@@ -244,12 +267,10 @@ class PagedCache(Cache):
         fwd.positions = positions.to(device).expand(batch, q)
         if stored == length:
             return None
-        kept_valid = self._paged[0].valid
-        for layer in self._paged[1:]:
-            if not torch.equal(layer.valid, kept_valid):
-                raise PolicyError(f"{self.token_policy!r} kept different padding slots in "
-                                  "different layers; keep every valid token and the newest "
-                                  "invalid ones when a row has fewer valid tokens than budget")
+        if self._head_granular:  # per-head validity: each layer's head_mask
+            kept_valid = torch.ones((batch, stored), dtype=torch.bool, device=device)
+        else:
+            kept_valid = self._consistent_padding()
         if mask is None and bool(kept_valid.all()):
             return None
         remapped = (mask.clone() if mask is not None
@@ -261,6 +282,17 @@ class PagedCache(Cache):
             raise ConfigError("padding that is not left padding, together with token eviction, "
                               "is supported only on models whose layers are all full attention")
         return remapped
+
+    def _consistent_padding(self) -> Tensor:
+        """The stored slots' validity ``[B, S]``, the same in every layer (`PolicyError`
+        otherwise)."""
+        kept_valid = self._paged[0].valid
+        for layer in self._paged[1:]:
+            if not torch.equal(layer.valid, kept_valid):
+                raise PolicyError(f"{self.token_policy!r} kept different padding slots in "
+                                  "different layers; keep every valid token and the newest "
+                                  "invalid ones when a row has fewer valid tokens than budget")
+        return kept_valid
 
     def check_update(self, layer: PagedLayer, keys: Tensor, values: Tensor) -> Forward:
         """The forward in flight, once ``layer``'s new ``keys`` / ``values`` are checked
@@ -340,10 +372,49 @@ class PagedCache(Cache):
         with torch.no_grad():
             fwd.queries[module.layer_idx] = project_queries(module, hidden, rope, count)
 
+    def head_plan(self, fwd: Forward) -> dict[int, list[int]]:
+        """Each paged layer's per-kv-head kept counts after ``fwd`` (the policy's
+        `head_counts` of the ``S + q`` slots it will store), computed once per forward, and
+        ``fwd.width``, the most any head keeps: the slots every layer stores (called by
+        `PagedLayer.update` for a head-granular policy)."""
+        if fwd.head_counts is None:
+            length = fwd.stored + fwd.q
+            fwd.head_counts = {
+                layer.layer_idx: head_counts_of(self.token_policy, layer.layer_idx, length,
+                                                self.spec.num_kv_heads)
+                for layer in self._paged}
+            fwd.width = max(max(c) for c in fwd.head_counts.values())
+        return fwd.head_counts
+
+    def head_mask(self, module: nn.Module) -> Tensor | None:
+        """The additive attention mask ``[B, Hq, q, S + q]`` (model dtype) of ``module``'s
+        layer in the forward in flight, when a head-granular policy left some head of it an
+        invalid slot (past its count, or padding); None otherwise (transformers' own mask is
+        right). Query ``i`` of head ``h`` sees head ``h``'s valid stored slots and the valid
+        new tokens up to itself. Called by the attention modules' pre-hook (`hooks.py`)."""
+        fwd = self._forward
+        if fwd is None or not self._head_granular:
+            return None
+        layer = self.layers[module.layer_idx]
+        valid = layer.valid if isinstance(layer, PagedLayer) else None
+        if valid is None or bool(valid.all()):
+            return None
+        batch, heads, stored = valid.shape
+        q, device = fwd.q, valid.device
+        causal = torch.ones((q, q), dtype=torch.bool, device=device).tril()
+        new = (causal[None] & fwd.valid[:, None, :].to(device))[:, None]  # [B, 1, q, q]
+        visible = torch.cat([valid[:, :, None, :].expand(batch, heads, q, stored),
+                             new.expand(batch, heads, q, q)], dim=-1)
+        visible = visible.repeat_interleave(self.spec.num_attention_heads // heads, dim=1)
+        dtype = self.spec.dtype
+        zeros = torch.zeros(visible.shape, dtype=dtype, device=device)
+        return zeros.masked_fill(~visible, torch.finfo(dtype).min)
+
     def attention_scores(self, layer: PagedLayer, fwd: Forward, keys: Tensor,
                          valid: Tensor) -> Tensor:
-        """Attention of ``layer``'s captured queries over ``keys`` (``valid`` slots only),
-        for a token policy that scores by attention (called by `PagedLayer.update`)."""
+        """Attention of ``layer``'s captured queries over ``keys`` (``valid`` slots only,
+        ``[B, S]``, or ``[B, Hkv, S]`` per head), for a token policy that scores by attention
+        (called by `PagedLayer.update`)."""
         queries = fwd.queries.pop(layer.layer_idx, None)
         if queries is None:
             raise ConfigError(f"no queries were captured for layer {layer.layer_idx}; the "

@@ -9,7 +9,9 @@ that is not of the type they were installed for.
 
 The cache type implements ``begin_forward(decoder, arguments) -> mask or None`` (a returned
 2-D mask replaces the forward's ``attention_mask``), ``end_forward()`` and, for attention
-hooks, ``wants_queries`` and ``capture_queries(module, hidden_states, position_embeddings)``.
+hooks, ``wants_queries``, ``capture_queries(module, hidden_states, position_embeddings)`` and
+``head_mask(module) -> mask or None`` (a returned mask replaces that attention module's
+``attention_mask``: per-head masks, which transformers' one mask for all heads cannot say).
 """
 
 from __future__ import annotations
@@ -61,12 +63,19 @@ def _forward_hook(cache_type: type, names: list[str], module: nn.Module, args: t
         cache.end_forward()
 
 
-def _attention_pre_hook(cache_type: type, module: nn.Module, args: tuple, kwargs: dict) -> None:
+def _attention_pre_hook(cache_type: type, module: nn.Module, args: tuple,
+                        kwargs: dict) -> tuple[tuple, dict] | None:
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if isinstance(cache, cache_type) and cache.wants_queries:
+    if not isinstance(cache, cache_type):
+        return None
+    if cache.wants_queries:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         rope = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
         cache.capture_queries(module, hidden, rope)
+    mask = cache.head_mask(module)
+    if mask is None:
+        return None
+    return args, {**kwargs, "attention_mask": mask}
 
 
 def install_hooks(decoder: nn.Module, cache_type: type, *, attention: bool) -> None:

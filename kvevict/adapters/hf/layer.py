@@ -4,7 +4,10 @@ A layer keeps a contiguous working view of its stored keys and values, ``[B, Hkv
 D]`` buffers of which the first ``stored`` slots are live, grown by doubling, so a decode step
 writes one slot instead of re-concatenating the whole cache. With a token policy it also keeps
 each slot's original position and validity (False for padding) and, after storing a forward's
-tokens, lets the policy choose the slots to keep (see `PagedLayer.update`).
+tokens, lets the policy choose the slots to keep (see `PagedLayer.update`). With a
+head-granular policy (``granularity == "head"``) each kv head keeps its own slots: positions
+and validity are per head, ``[B, Hkv, slots]``, and a head's slots past its count are invalid
+(`PagedCache.head_mask` masks them out of that head's attention).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
 from kvevict.errors import PolicyError
+from kvevict.tokens.base import check_head_selection
 
 if TYPE_CHECKING:
     from kvevict.adapters.hf.cache import PagedCache
@@ -26,8 +30,8 @@ __all__ = ["Forward", "PagedLayer"]
 class Forward:
     """What the cache knows about the forward in flight (set by the decoder's pre-hook)."""
 
-    __slots__ = ("dirty_from", "evicted", "positions", "q", "queries", "special", "start",
-                 "stored", "token_ids", "valid")
+    __slots__ = ("dirty_from", "evicted", "head_counts", "positions", "q", "queries",
+                 "special", "start", "stored", "token_ids", "valid", "width")
 
     def __init__(self, start: int, stored: int, q: int) -> None:
         self.start = start  #: logical length before the forward
@@ -40,6 +44,9 @@ class Forward:
         self.positions: Tensor | None = None  #: long [B, q], token policy only
         self.queries: dict[int, Tensor] = {}  #: layer -> [B, Hq, W, D], attention policies
         self.special: list[int] = []  #: tokens each special (non-paged) layer had seen
+        #: head-granular policy: layer -> each kv head's kept count after this forward
+        self.head_counts: dict[int, list[int]] | None = None
+        self.width = 0  #: head-granular policy: slots every layer stores after this forward
 
 
 class PagedLayer(CacheLayerMixin):
@@ -61,7 +68,7 @@ class PagedLayer(CacheLayerMixin):
         self.seen = 0
         self._k: Tensor | None = None  # [B, H, capacity, D]
         self._v: Tensor | None = None
-        self._pos: Tensor | None = None  # [B, capacity]
+        self._pos: Tensor | None = None  # [B, capacity], or [B, H, capacity] per head
         self._valid: Tensor | None = None
 
     @property
@@ -70,11 +77,11 @@ class PagedLayer(CacheLayerMixin):
 
     @property
     def positions(self) -> Tensor | None:
-        return None if self._pos is None else self._pos[:, :self.stored]
+        return None if self._pos is None else self._pos[..., :self.stored]
 
     @property
     def valid(self) -> Tensor | None:
-        return None if self._valid is None else self._valid[:, :self.stored]
+        return None if self._valid is None else self._valid[..., :self.stored]
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         batch, heads, _, dim = key_states.shape
@@ -82,8 +89,9 @@ class PagedLayer(CacheLayerMixin):
         self._k = key_states.new_empty((batch, heads, 0, dim))
         self._v = value_states.new_empty((batch, heads, 0, dim))
         if self._cache.token_policy is not None:
-            self._pos = torch.zeros((batch, 0), dtype=torch.long, device=self.device)
-            self._valid = torch.zeros((batch, 0), dtype=torch.bool, device=self.device)
+            rows = (batch, heads, 0) if self._cache.head_granular else (batch, 0)
+            self._pos = torch.zeros(rows, dtype=torch.long, device=self.device)
+            self._valid = torch.zeros(rows, dtype=torch.bool, device=self.device)
         self.is_initialized = True
         self._refresh()
 
@@ -133,7 +141,11 @@ class PagedLayer(CacheLayerMixin):
         self._v[:, :, start:end] = value_states
         self.stored, self.seen = end, self.seen + q
         keys, values = self._k[:, :, :end], self._v[:, :, :end]
-        if cache.token_policy is not None:
+        if cache.token_policy is not None and cache.head_granular:
+            self._pos[:, :, start:end] = fwd.positions[:, None]
+            self._valid[:, :, start:end] = fwd.valid[:, None]
+            self._evict_heads(fwd, keys, values)
+        elif cache.token_policy is not None:
             self._pos[:, start:end] = fwd.positions
             self._valid[:, start:end] = fwd.valid
             self._evict(fwd, keys, values)
@@ -178,6 +190,40 @@ class PagedLayer(CacheLayerMixin):
         fwd.dirty_from = min(fwd.dirty_from, first)
         fwd.evicted = True
 
+    def _evict_heads(self, fwd: Forward, keys: Tensor, values: Tensor) -> None:
+        """`_evict` for a head-granular policy: each kv head keeps its own ``counts[h]``
+        slots, gathered into the first slots of that head; the layer stores ``fwd.width``
+        slots (the widest layer's), and a head's slots past its count become invalid."""
+        cache = self._cache
+        policy = cache.token_policy
+        length = self.stored
+        counts = cache.head_plan(fwd)[self.layer_idx]
+        everything = min(counts) == length
+        if everything and not policy.needs_attention:
+            return
+        positions, valid = self._pos[..., :length], self._valid[..., :length]
+        attention = None
+        if policy.needs_attention:
+            attention = cache.attention_scores(self, fwd, keys, valid)
+        kept = policy.select(self.layer_idx, keys, values, positions, valid, attention=attention)
+        batch, heads, _, dim = keys.shape
+        width = fwd.width
+        index, live = check_head_selection(policy, kept, batch, counts, length, width)
+        if everything:
+            return  # every slot of every head kept
+        capacity = max(self._k.shape[2], width + fwd.q)
+        index = index.to(keys.device)
+        gather = index[..., None].expand(batch, heads, width, dim)
+        self._k = _regrow(keys.gather(2, gather), width, capacity)
+        self._v = _regrow(values.gather(2, gather), width, capacity)
+        self._pos = _regrow(positions.gather(2, index), width, capacity)
+        self._valid = _regrow(valid.gather(2, index) & live.to(keys.device), width, capacity)
+        self.stored = width
+        moved = (index != torch.arange(width, device=index.device)).flatten(0, 1).any(dim=0)
+        first = int(moved.nonzero()[0]) if bool(moved.any()) else width
+        fwd.dirty_from = min(fwd.dirty_from, first)
+        fwd.evicted = True
+
     def take_rows(self, rows: list[int]) -> None:
         """Row ``i`` becomes the old row ``rows[i]``; a same-size reorder copies only the rows
         that change."""
@@ -196,8 +242,8 @@ class PagedLayer(CacheLayerMixin):
                 self._k[dst, :, :s] = self._k[src, :, :s]
                 self._v[dst, :, :s] = self._v[src, :, :s]
                 if self._pos is not None:
-                    self._pos[dst, :s] = self._pos[src, :s]
-                    self._valid[dst, :s] = self._valid[src, :s]
+                    self._pos[dst, ..., :s] = self._pos[src, ..., :s]
+                    self._valid[dst, ..., :s] = self._valid[src, ..., :s]
         self._refresh()
 
     def truncate(self, length: int) -> None:
@@ -225,12 +271,12 @@ class PagedLayer(CacheLayerMixin):
 
 
 def _regrow(t: Tensor, count: int, capacity: int) -> Tensor:
-    """A buffer of ``capacity`` slots (dim 2 of ``[B, H, slots, D]``, dim 1 of ``[B, slots]``)
-    starting with the first ``count`` slots of ``t``."""
+    """A buffer of ``capacity`` slots (dim 2 of ``[B, H, slots, D]``, the last dim of
+    ``[B, slots]`` and ``[B, H, slots]``) starting with the first ``count`` slots of ``t``."""
     if t.dim() == 4:
         new = t.new_empty((t.shape[0], t.shape[1], capacity, t.shape[3]))
         new[:, :, :count] = t[:, :, :count]
     else:
-        new = t.new_zeros((t.shape[0], capacity))
-        new[:, :count] = t[:, :count]
+        new = t.new_zeros((*t.shape[:-1], capacity))
+        new[..., :count] = t[..., :count]
     return new
