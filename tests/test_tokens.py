@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from kvevict.errors import ConfigError, PolicyError
 from kvevict.tokens import (
     H2O,
+    TOKEN_POLICIES,
     KeyNorm,
     KVScorer,
     ScorerShape,
     SnapKV,
-    TOKEN_POLICIES,
     StreamingLLM,
     TokenPolicy,
     available_token_policies,
