@@ -74,9 +74,11 @@ def learned(shape: ScorerShape, seed: int = 1) -> dict:
 
 
 def policy(name: str, model, budget: int):
-    """``lkv_h`` with `learned` parameters; ``ema_heads`` with a short memory (decay 0.5), so
-    that on 30 tokens its heads keep apart (over 64 queries every head keeps the first ones)."""
-    params = learned(ScorerShape.of(model)) if name == "lkv_h" else {"decay": 0.5}
+    """``lkv_h`` with `learned` parameters; ``ema_heads`` with a short memory (decay 0.5) and 2
+    recent tokens, so that on 30 tokens its heads keep apart (averaging 64 queries, every head
+    keeps the first tokens of this random model)."""
+    params = (learned(ScorerShape.of(model)) if name == "lkv_h"
+              else {"decay": 0.5, "n_recent": 2})
     return make_token_policy(name, budget=budget, **params)
 
 
@@ -111,7 +113,7 @@ def inputs(attention: list[list[float]], positions=None):
 
 
 def test_ema_heads_keeps_each_heads_top_ema_and_its_state_follows_the_kept_slots():
-    ema = EMAHeads(2, decay=0.5)
+    ema = EMAHeads(2, decay=0.5, n_recent=0)
     # one query: EMA = 0.5 * p. Head 0 keeps slots 1 and 3; head 1 ties 0.3 at slots 2 and 4
     # and keeps the later one (4) beside 0.4 at slot 0.
     keys, values, pos, valid, att = inputs([[0.1, 0.5, 0.1, 0.2, 0.1],

@@ -61,14 +61,14 @@ class HeadTokenPolicy(TokenPolicy):
     Args:
         budget: tokens kept per sequence per layer and kv head (on average, for policies whose
             heads keep different counts).
-        n_recent: the newest valid tokens each head always keeps.
+        n_recent: the newest valid tokens each head always keeps (at most ``budget``).
     """
 
     granularity: ClassVar[str] = "head"
 
     def __init__(self, budget: int, n_recent: int = 0) -> None:
         super().__init__(budget)
-        self.n_recent = check_int("n_recent", n_recent, minimum=0)
+        self.n_recent = min(check_int("n_recent", n_recent, minimum=0), self.budget)
 
     @abc.abstractmethod
     def score(self, layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor,
@@ -122,12 +122,17 @@ class EMAHeads(HeadTokenPolicy):
     Args:
         budget: tokens each kv head keeps per sequence and layer.
         decay: the EMA's decay ``β`` in (0, 1), default `DEFAULT_DECAY`.
-        n_recent: the newest tokens each head always keeps (default 0: the EMA decides).
+        n_recent: the newest tokens each head always keeps (default `N_RECENT`, 8). Evicting
+            at every forward, a token fed after a long context starts with a near-zero EMA
+            and would be dropped at once: the question. On the judge at 15% (validation seed
+            5, 16 items per task) ``n_recent`` 0, 8 and 32 score 22.9, 52.1 and 54.2% (mean
+            of the tasks).
     """
 
     needs_attention: ClassVar[bool] = True
 
-    def __init__(self, budget: int, decay: float = DEFAULT_DECAY, n_recent: int = 0) -> None:
+    def __init__(self, budget: int, decay: float = DEFAULT_DECAY,
+                 n_recent: int = N_RECENT) -> None:
         super().__init__(budget, n_recent)
         self.decay = check_decay(decay)
         self._ema: dict[int, Tensor] = {}
