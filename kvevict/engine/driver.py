@@ -268,9 +268,11 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
             run (a stack serves one pool); its cost model, which decides what is worth
             demoting, is in engine seconds. A named policy that takes a cost model prices
             blocks with `tier_priced_cost`.
-        token_policy, token_budget, token_params: token eviction, as `EngineExecutor` takes
-            them (see the module docstring); the engine dict then counts
-            ``token_compactions``, ``token_dropped`` and ``token_freed_blocks``.
+        token_policy: token eviction, as `EngineExecutor` takes it (see the module
+            docstring); the engine dict then counts ``token_compactions``, ``token_dropped``
+            and ``token_freed_blocks``.
+        token_budget: the token policy's budget, as `EngineExecutor` takes it.
+        token_params: the token policy's parameters, as `EngineExecutor` takes them.
     """
     if not isinstance(model, LlamaModel):
         raise ConfigError(f"model must be a LlamaModel, got {type(model).__name__}")

@@ -123,8 +123,9 @@ class SessionStore:
             reload costs (default `CostModel()`: an 8B model on an H100; give this model's).
         demote: ``"cost"`` (demote only what reloads faster than it recomputes; default)
             or ``"always"``.
-        host_profile, disk_profile: the tiers' links (`kvevict.tiers.TIER_PROFILES` names or
-            `TierProfile`; defaults ``"host-pcie5"`` and ``"nvme"``).
+        host_profile: the host tier's link (a `kvevict.tiers.TIER_PROFILES` name or a
+            `TierProfile`; default ``"host-pcie5"``).
+        disk_profile: the disk tier's link (likewise; default ``"nvme"``).
         model_id: the model's name in the disk tier's manifest (default `model_identity`).
         **policy_params: passed to the policy when ``policy`` is a name.
 
