@@ -489,7 +489,7 @@ def test_selection_properties(case):
 
 def test_registry():
     assert available_token_policies() == ["ema", "ema_heads", "h2o", "knorm", "kvp", "lkv_h",
-                                          "lkv_t", "snapkv", "streamingllm", "tova"]
+                                          "lkv_t", "moe_nd", "snapkv", "streamingllm", "tova"]
     policy = make_token_policy("snapkv", budget=64, window_size=8, kernel_size=7,
                                pooling="max")
     assert isinstance(policy, SnapKV) and policy.needs_attention
@@ -497,7 +497,7 @@ def test_registry():
     assert make_token_policy(policy) is policy
     assert not StreamingLLM(8).needs_attention and H2O(8).n_recent == 4
     with pytest.raises(ConfigError, match="valid names: ema, ema_heads, h2o, knorm, kvp, "
-                                          "lkv_h, lkv_t, snapkv, streamingllm, tova"):
+                                          "lkv_h, lkv_t, moe_nd, snapkv, streamingllm, tova"):
         make_token_policy("lru", budget=4)
     with pytest.raises(ConfigError, match=r"no parameter.*window.*accepts: budget, n_sink"):
         make_token_policy("streamingllm", budget=8, window=3)

@@ -410,7 +410,7 @@ class EngineExecutor(Executor):
         rows, captured = self.model.forward_paged(
             self.pool, entries, positions=[w.start for w in compute],
             queries=[tokens.queries(w.end - w.start) for w in compute],
-            head_masks=tokens.head_masks(items))
+            head_masks=tokens.head_masks(items), kv_store=tokens.kv_store)
         tokens.after_forward(manager, self.pool, items, captured)
         return rows
 

@@ -627,6 +627,7 @@ class LlamaModel:
         positions: Sequence[int] | None = None,
         queries: Sequence[int] | None = None,
         head_masks: Sequence[torch.Tensor | None] | None = None,
+        kv_store: Any = None,
     ) -> Any:
         """Run new tokens of several sequences, with K/V stored in and read from ``pool``.
 
@@ -676,6 +677,9 @@ class LlamaModel:
             queries: per entry, how many of its last new tokens' queries (post-RoPE) to
                 return as well, ``0 .. n`` (None: none, and the plain return value).
             head_masks: per entry, None or its per-head mask (see above); None: no masks.
+            kv_store: None, or ``kv_store(layer, keys, values) -> (keys, values)`` on the new
+                tokens' K/V ``[1, Hkv, n, D]`` of every layer before they are written and
+                attended to (a token policy's ``store_kv``: MoE-nD's quantization).
 
         Returns:
             float32 logits of each sequence's last new token, ``[len(seqs), vocab]``; with
@@ -739,6 +743,9 @@ class LlamaModel:
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_pool = kv[li, 0].view(-1, c.num_kv_heads, c.head_dim)
             v_pool = kv[li, 1].view(-1, c.num_kv_heads, c.head_dim)
+            if kv_store is not None:
+                k, v = (t[0].transpose(0, 1)
+                        for t in kv_store(li, k.transpose(0, 1)[None], v.transpose(0, 1)[None]))
             k_pool.index_copy_(0, slots, k)
             v_pool.index_copy_(0, slots, v)
             for i, lo, hi in rows:

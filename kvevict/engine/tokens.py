@@ -57,7 +57,12 @@ from kvevict.errors import ConfigError, KVEvictError, PolicyError
 from kvevict.manager import KVCacheManager, Sequence
 from kvevict.pool import BlockPool
 from kvevict.tokens import TOKEN_POLICIES, ScorerShape, TokenPolicy, make_token_policy
-from kvevict.tokens.base import check_head_selection, head_counts_of, window_attention
+from kvevict.tokens.base import (
+    check_head_selection,
+    head_counts_of,
+    stored_kv,
+    window_attention,
+)
 from kvevict.types import Request
 
 __all__ = ["TokenEviction"]
@@ -98,8 +103,8 @@ class TokenEviction:
         policy: a registered token policy name or a `TokenPolicy` instance.
         budget: tokens kept per sequence per layer; required with a name, and equal to the
             instance's budget (or None) with an instance.
-        params: more parameters of a named policy. A learned policy (``lkv_t``, ``kvp``)
-            given ``scorer=`` as a path gets ``shape=`` from the model unless given.
+        params: more parameters of a named policy. A policy that takes ``shape=`` (the learned
+            ``lkv_t``, ``kvp``, ``lkv_h``, and ``moe_nd``) gets it from the model unless given.
 
     Raises:
         ConfigError: an unknown name, a missing or mismatched budget, parameters with an
@@ -150,6 +155,9 @@ class TokenEviction:
         self.stateful = type(built).reset is not TokenPolicy.reset
         #: whether each kv head keeps its own slots (``granularity == "head"``)
         self.head_granular = built.granularity == "head"
+        #: ``forward_paged``'s ``kv_store``: the policy's checked ``store_kv`` when it
+        #: ``transforms_kv`` (MoE-nD's quantization; the same for every sequence), else None
+        self.kv_store = self._store_kv if built.transforms_kv else None
         self.scaling = c.attention_scale if c.attention_scale is not None \
             else c.head_dim ** -0.5
         self.compactions = 0
@@ -231,6 +239,9 @@ class TokenEviction:
             raise KVEvictError(f"internal error: request {seq.seq_id!r} stores "
                                f"{state.stored} slots but its next token goes to slot {slot}")
         return _Item(state, seq.seq_id, slot, position, count, table)
+
+    def _store_kv(self, layer_idx: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        return stored_kv(self.policy, layer_idx, keys, values)
 
     def head_masks(self, items: list[_Item]) -> list[Tensor | None] | None:
         """Per item, bool ``[layers, Hkv, slot]``: which of its stored slots each (layer, kv

@@ -5,7 +5,8 @@ documented) scores the tokens an attention layer stores and keeps ``budget`` of 
 sequence; the caller (the Hugging Face adapter, the engine) gathers the kept keys and values.
 The training-free policies are in `kvevict.tokens.heuristics`; the head-granular ones
 (``ema_heads``, ``lkv_h``: each kv head keeps its own tokens) in
-`kvevict.tokens.head_policies`; `kvevict.tokens.tasks` holds the
+`kvevict.tokens.head_policies`; MoE-nD's per-layer ratios and bit widths (``moe_nd``) in
+`kvevict.tokens.moe_nd`; `kvevict.tokens.tasks` holds the
 synthetic long-context tasks the judge model is trained and evaluated on.
 """
 
@@ -22,6 +23,7 @@ from kvevict.tokens.heuristics import H2O, KeyNorm, SnapKV, StreamingLLM
 from kvevict.tokens.kvp import KVPolicy
 from kvevict.tokens.learned import KVScorer, LearnedTokenPolicy, ScorerShape
 from kvevict.tokens.lkv import LKVToken
+from kvevict.tokens.moe_nd import MoEND
 from kvevict.tokens.tova import TOVA
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "LKVHeads",
     "LKVToken",
     "LearnedTokenPolicy",
+    "MoEND",
     "ScorerShape",
     "SnapKV",
     "StreamingLLM",

@@ -65,6 +65,7 @@ __all__ = [
     "newest",
     "oldest",
     "register_token_policy",
+    "stored_kv",
     "window_attention",
 ]
 
@@ -150,6 +151,8 @@ class TokenPolicy(abc.ABC):
     #: ``[B, count]``); ``"head"``: each kv head keeps its own slots (``select`` returns
     #: ``[B, Hkv, W]``, positions and validity are ``[B, Hkv, T]``; see `head_counts`).
     granularity: ClassVar[str] = "layer"
+    #: True when `store_kv` changes the K/V the cache stores (MoE-nD's quantization).
+    transforms_kv: ClassVar[bool] = False
 
     def __init__(self, budget: int) -> None:
         self.budget = check_int("budget", budget, minimum=1)
@@ -160,6 +163,14 @@ class TokenPolicy(abc.ABC):
     def reorder(self, batch_indices: Tensor) -> None:
         """Follow a reordering of the batch rows (beam search): row ``i`` becomes the old row
         ``batch_indices[i]``. No-op for stateless policies."""
+
+    def store_kv(self, layer_idx: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """What the cache stores for the K/V ``[..., D]`` (``[B, Hkv, q, D]``) a forward just
+        computed in ``layer_idx``: unchanged here. With ``transforms_kv`` the caller stores
+        (and the forward's attention reads) what this returns, once per token: it must treat
+        each token and head on its own (no group spans tokens), depend on nothing but the
+        layer, and keep shapes and dtypes."""
+        return keys, values
 
     def head_counts(self, layer_idx: int, length: int, kv_heads: int) -> list[int]:
         """How many of ``length`` stored slots each of the ``kv_heads`` heads of ``layer_idx``
@@ -253,6 +264,20 @@ def _describe(value: Any) -> str:
     if isinstance(value, Tensor):
         return f"{value.dtype} tensor of shape {list(value.shape)}"
     return f"{type(value).__name__}"
+
+
+def stored_kv(policy: TokenPolicy, layer_idx: int, keys: Tensor,
+              values: Tensor) -> tuple[Tensor, Tensor]:
+    """``policy.store_kv(layer_idx, keys, values)``, checked: the same shapes and dtypes
+    back, else `PolicyError`."""
+    got = policy.store_kv(layer_idx, keys, values)
+    if (not isinstance(got, tuple) or len(got) != 2
+            or any(not isinstance(t, Tensor) or t.shape != ref.shape or t.dtype != ref.dtype
+                   for t, ref in zip(got, (keys, values), strict=False))):
+        raise PolicyError(f"{policy!r}.store_kv must return (keys, values) shaped and typed as "
+                          f"given, {tuple(keys.shape)} {keys.dtype} and {tuple(values.shape)} "
+                          f"{values.dtype}")
+    return got
 
 
 # -- what a head-granular select returns -------------------------------------------------

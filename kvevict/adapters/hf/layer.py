@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
 from kvevict.errors import PolicyError
-from kvevict.tokens.base import check_head_selection
+from kvevict.tokens.base import check_head_selection, stored_kv
 
 if TYPE_CHECKING:
     from kvevict.adapters.hf.cache import PagedCache
@@ -128,12 +128,16 @@ class PagedLayer(CacheLayerMixin):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any,
                **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Store this forward's keys and values ``[B, Hkv, q, D]``; return every stored slot's
+        """Store this forward's keys and values ``[B, Hkv, q, D]`` (as the token policy's
+        ``store_kv`` gives them back when it ``transforms_kv``); return every stored slot's
         (the view attention reads). With a token policy, evict down to the budget after."""
         cache = self._cache
         fwd = cache.check_update(self, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if cache.token_policy is not None and cache.token_policy.transforms_kv:
+            key_states, value_states = stored_kv(cache.token_policy, self.layer_idx,
+                                                 key_states, value_states)
         q, start = fwd.q, self.stored
         end = start + q
         self._reserve(end)
