@@ -9,6 +9,11 @@
 ``docs/img/tokens_accuracy.json``. Also the KV bytes per sequence right after the context:
 what the rectangular store holds (every layer as wide as the widest (layer, head) count) and
 what a head-paged store would hold (each head its own count).
+
+``--moe`` instead runs ``moe_nd`` (MoE-nD's per-layer ratios and bit widths as a token policy,
+``knorm`` ranking) with the routed and the uniform tuples of ``docs/img/routed_vs_uniform.json``
+(10% of the full cache's bytes, per task) through ``PagedCache``, next to that file's
+`RoutedCache` accuracies, with the bytes a packed store would hold after the context.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from kvevict.tokens.base import head_counts_of
 from kvevict.tokens.tasks import TASKS, make_items
 
 POLICIES = ("ema_heads", "lkv_h")
-GRID = Path(__file__).resolve().parent.parent / "docs" / "img" / "tokens_accuracy.json"
+DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
+GRID = DOCS_IMG / "tokens_accuracy.json"
+ROUTED = DOCS_IMG / "routed_vs_uniform.json"
 
 
 def params(name: str, model) -> dict:
@@ -51,15 +58,44 @@ def held_bytes(model, name: str, budget: int, context: int) -> tuple[int, int]:
             sum(map(sum, counts)) * per_slot)
 
 
+def moe_table(model, seeds: list[int], items: int) -> str:
+    """``moe_nd`` through `PagedCache` with `ROUTED`'s routings, against `RoutedCache`."""
+    shape = ScorerShape.of(model)
+    rows = json.loads(ROUTED.read_text())["rows"]
+    lines = ["| task | routing | `moe_nd` (PagedCache) | RoutedCache | packed KiB |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        sets = [make_items(row["task"], items, length=1024, seed=s) for s in seeds]
+        context = len(sets[0][0].context)
+        for kind in ("routed", "uniform"):
+            tuples = row[f"{kind}_tuples"] if kind == "routed" else [row["uniform_tuple"]] * (
+                shape.layers)
+            routing = [tuple(t) for t in tuples]
+            budget = max(1, round(sum(t[0] for t in routing) / len(routing) * context))
+            acc = [judge_accuracy(model, items_, "moe_nd", budget=budget, routing=routing)
+                   for items_ in sets]
+            iv, ref = interval([100 * a for a in acc]), interval([100 * a for a in row[kind]])
+            moe = make_token_policy("moe_nd", budget=budget, routing=routing)
+            packed = moe.packed_bytes(context, shape.kv_heads, shape.key_dim, model.dtype)
+            lines.append(f"| {row['task']} | {kind} | {iv.mean:.1f} ± {iv.high - iv.mean:.1f} | "
+                         f"{ref.mean:.1f} ± {ref.high - ref.mean:.1f} | {packed / 1024:.0f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--items", type=int, default=16)
     ap.add_argument("--fraction", type=float, default=0.15)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--moe", action="store_true", help="moe_nd against RoutedCache instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_judge()
+    if args.moe:
+        print(moe_table(model, args.seeds, args.items))
+        return 0
     grid = json.loads(GRID.read_text()) if GRID.is_file() else []
     head_cache = {(r["task"], r["policy"]): r["per_seed"] for r in grid
                   if r["fraction"] == args.fraction}
