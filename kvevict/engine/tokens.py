@@ -279,17 +279,11 @@ class TokenEviction:
         if policy.needs_attention and queries is None:
             raise KVEvictError(f"internal error: no queries captured for {item.seq_id!r}")
         c = self.model.config
-        bs = pool.block_size
-        kv = pool.kv
-        assert kv is not None  # the executor checked the pool
-        blocks = torch.tensor(item.table[:-(-length // bs)], device=device)
         count = min(self.budget, length)
-        slots = torch.arange(count, device=device)
-        slots = blocks[slots // bs] * bs + slots % bs  # where the kept tokens go
+        kv, blocks, slots = self._stored(pool, item, length, count)
         valid = torch.ones((1, length), dtype=torch.bool, device=device)
         for li in range(c.num_layers):
-            k = kv[li, 0].index_select(0, blocks).view(-1, c.num_kv_heads, c.head_dim)[:length]
-            v = kv[li, 1].index_select(0, blocks).view(-1, c.num_kv_heads, c.head_dim)[:length]
+            k, v = self._layer_kv(kv, li, blocks, length)
             keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             positions = state.positions[li]
             attention = None
@@ -308,14 +302,9 @@ class TokenEviction:
             if count > 1 and not bool((index[1:] > index[:-1]).all()):
                 raise PolicyError(f"{policy!r}.select must return slot indices ascending and "
                                   "unique per row")
-            kv[li, 0].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, k[index])
-            kv[li, 1].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, v[index])
+            self._write_kv(kv, li, slots, k[index], v[index])
             state.positions[li] = positions[index]
-        if count < length:
-            self.freed_blocks += len(manager.compact(item.seq_id, count))
-            self.compactions += 1
-            self.dropped_tokens += length - count
-            state.stored = count
+        self._compact(manager, item, length, count)
 
     def _apply_heads(self, manager: KVCacheManager, pool: BlockPool, item: _Item,
                      queries: list[Tensor] | None) -> None:
@@ -337,15 +326,9 @@ class TokenEviction:
         if policy.needs_attention and queries is None:
             raise KVEvictError(f"internal error: no queries captured for {item.seq_id!r}")
         width = max(max(n) for n in counts)
-        bs = pool.block_size
-        kv = pool.kv
-        assert kv is not None  # the executor checked the pool
-        blocks = torch.tensor(item.table[:-(-length // bs)], device=device)
-        slots = torch.arange(width, device=device)
-        slots = blocks[slots // bs] * bs + slots % bs  # where the kept tokens go
+        kv, blocks, slots = self._stored(pool, item, length, width)
         for li in range(c.num_layers):
-            k = kv[li, 0].index_select(0, blocks).view(-1, heads, c.head_dim)[:length]
-            v = kv[li, 1].index_select(0, blocks).view(-1, heads, c.head_dim)[:length]
+            k, v = self._layer_kv(kv, li, blocks, length)
             keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             positions, valid = state.positions[li], state.valid[li]
             attention = None
@@ -359,17 +342,48 @@ class TokenEviction:
                 continue  # every slot of every head kept
             index = index[0].to(device)  # [Hkv, width]
             gather = index[..., None].expand(heads, width, c.head_dim)
-            kv[li, 0].view(-1, heads, c.head_dim).index_copy_(
-                0, slots, keys[0].gather(1, gather).transpose(0, 1))
-            kv[li, 1].view(-1, heads, c.head_dim).index_copy_(
-                0, slots, values[0].gather(1, gather).transpose(0, 1))
+            self._write_kv(kv, li, slots, keys[0].gather(1, gather).transpose(0, 1),
+                           values[0].gather(1, gather).transpose(0, 1))
             state.positions[li] = positions.gather(1, index)
             state.valid[li] = valid.gather(1, index) & live.to(device)
-        if width < length:
-            self.freed_blocks += len(manager.compact(item.seq_id, width))
+        self._compact(manager, item, length, width)
+
+    # -- reading and writing a sequence's slots (both granularities) ------------------------
+
+    def _stored(self, pool: BlockPool, item: _Item, length: int,
+                count: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The pool's K/V tensor, the blocks holding ``item``'s first ``length`` slots, and
+        the flat pool slots of its first ``count`` slots (where the kept tokens go)."""
+        kv = pool.kv
+        assert kv is not None  # the executor checked the pool
+        bs = pool.block_size
+        blocks = torch.tensor(item.table[:-(-length // bs)], device=self.model.device)
+        slots = torch.arange(count, device=self.model.device)
+        return kv, blocks, blocks[slots // bs] * bs + slots % bs
+
+    def _layer_kv(self, kv: Tensor, li: int, blocks: Tensor,
+                  length: int) -> tuple[Tensor, Tensor]:
+        """Layer ``li``'s stored K and V of a sequence, ``[length, Hkv, D]`` each (copies)."""
+        c = self.model.config
+        shape = (-1, c.num_kv_heads, c.head_dim)
+        k = kv[li, 0].index_select(0, blocks).view(shape)[:length]
+        v = kv[li, 1].index_select(0, blocks).view(shape)[:length]
+        return k, v
+
+    def _write_kv(self, kv: Tensor, li: int, slots: Tensor, keys: Tensor,
+                  values: Tensor) -> None:
+        """Write ``keys`` / ``values`` ``[n, Hkv, D]`` into layer ``li``'s pool ``slots``."""
+        c = self.model.config
+        kv[li, 0].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, keys)
+        kv[li, 1].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, slots, values)
+
+    def _compact(self, manager: KVCacheManager, item: _Item, length: int, kept: int) -> None:
+        """Give back the blocks past a sequence's first ``kept`` slots (of ``length``)."""
+        if kept < length:
+            self.freed_blocks += len(manager.compact(item.seq_id, kept))
             self.compactions += 1
-            self.dropped_tokens += length - width
-            state.stored = width
+            self.dropped_tokens += length - kept
+            item.state.stored = kept
 
     def __repr__(self) -> str:
         return f"TokenEviction({self.policy!r})"
