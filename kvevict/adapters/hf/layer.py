@@ -181,18 +181,11 @@ class PagedLayer(CacheLayerMixin):
         if count > 1 and not bool((kept[:, 1:] > kept[:, :-1]).all()):
             raise PolicyError(f"{policy!r}.select must return slot indices ascending and "
                               "unique per row")
-        capacity = max(self._k.shape[2], count + fwd.q)
         index = kept.to(keys.device)
         gather = index[:, None, :, None].expand(batch, keys.shape[1], count, keys.shape[3])
-        self._k = _regrow(keys.gather(2, gather), count, capacity)
-        self._v = _regrow(values.gather(2, gather), count, capacity)
-        self._pos = _regrow(positions.gather(1, index), count, capacity)
-        self._valid = _regrow(valid.gather(1, index), count, capacity)
-        self.stored = count
-        moved = (index != torch.arange(count, device=index.device)).any(dim=0)
-        first = int(moved.nonzero()[0]) if bool(moved.any()) else count
-        fwd.dirty_from = min(fwd.dirty_from, first)
-        fwd.evicted = True
+        self._keep(fwd, keys.gather(2, gather), values.gather(2, gather),
+                   positions.gather(1, index), valid.gather(1, index),
+                   (index != torch.arange(count, device=index.device)).any(dim=0))
 
     def _evict_heads(self, fwd: Forward, keys: Tensor, values: Tensor) -> None:
         """`_evict` for a head-granular policy: each kv head keeps its own ``counts[h]``
@@ -215,16 +208,24 @@ class PagedLayer(CacheLayerMixin):
         index, live = check_head_selection(policy, kept, batch, counts, length, width)
         if everything:
             return  # every slot of every head kept
-        capacity = max(self._k.shape[2], width + fwd.q)
         index = index.to(keys.device)
         gather = index[..., None].expand(batch, heads, width, dim)
-        self._k = _regrow(keys.gather(2, gather), width, capacity)
-        self._v = _regrow(values.gather(2, gather), width, capacity)
-        self._pos = _regrow(positions.gather(2, index), width, capacity)
-        self._valid = _regrow(valid.gather(2, index) & live.to(keys.device), width, capacity)
-        self.stored = width
-        moved = (index != torch.arange(width, device=index.device)).flatten(0, 1).any(dim=0)
-        first = int(moved.nonzero()[0]) if bool(moved.any()) else width
+        self._keep(fwd, keys.gather(2, gather), values.gather(2, gather),
+                   positions.gather(2, index), valid.gather(2, index) & live.to(keys.device),
+                   (index != torch.arange(width, device=index.device)).flatten(0, 1).any(dim=0))
+
+    def _keep(self, fwd: Forward, keys: Tensor, values: Tensor, positions: Tensor,
+              valid: Tensor, moved: Tensor) -> None:
+        """Make the gathered kept slots (``keys`` / ``values`` ``[B, Hkv, n, D]``, their
+        ``positions`` and ``valid``) the layer's store, with room for the next forward;
+        ``moved`` (bool ``[n]``) marks the slots whose content changed, for the pool sync."""
+        count = keys.shape[2]
+        capacity = max(self._k.shape[2], count + fwd.q)
+        self._k, self._v = _regrow(keys, count, capacity), _regrow(values, count, capacity)
+        self._pos = _regrow(positions, count, capacity)
+        self._valid = _regrow(valid, count, capacity)
+        self.stored = count
+        first = int(moved.nonzero()[0]) if bool(moved.any()) else count
         fwd.dirty_from = min(fwd.dirty_from, first)
         fwd.evicted = True
 
