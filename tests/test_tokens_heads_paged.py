@@ -187,6 +187,18 @@ def test_full_budget_is_dynamic_cache_in_generate_with_padding(name, attn):
 
 
 @pytest.mark.parametrize("name", ["ema_heads", "lkv_h"])
+def test_full_budget_beam_search_is_dynamic_cache(tiny, name):
+    """Beam reorders run through the per-head store (positions, validity, the EMA state)."""
+    ids = prompt_ids()[None].repeat(2, 1)
+    kwargs = dict(do_sample=False, num_beams=2, max_new_tokens=6, min_new_tokens=6)
+    with torch.no_grad():
+        want = tiny.generate(ids, **kwargs)
+        got = tiny.generate(ids, cache=PagedCache(tiny, token_policy=policy(name, tiny, 60)),
+                            **kwargs)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["ema_heads", "lkv_h"])
 def test_full_budget_is_the_full_cache_in_the_engine(tiny, name):
     ids = prompt_ids()
     with torch.no_grad():

@@ -1,7 +1,9 @@
 """`HeadCache`: head-granular token eviction (EMA-scored, LKV-H budgets) in a transformers
 ``Cache``.
 
-`kvevict.tokens.heads` has the methods; this runs them in ``generate()``. The protocol is
+`kvevict.tokens.heads` has the methods; this runs them in ``generate()``. (The same methods
+run through ``make_token_policy("ema_heads" | "lkv_h", ...)`` in `PagedCache` and the engine,
+evicting at every step: `kvevict.tokens.head_policies`.) The protocol here is
 context compression, as `RoutedCache` and the judge use: the context is prefilled, then each
 (layer, kv head) keeps its own ``n_lh`` context tokens (`allocate` over LKV-H budgets, or equal
 counts), chosen by its own scores (`head_scores`: the head's attention EMA, its key norms, or a
