@@ -146,6 +146,20 @@ def test_engine_keeps_the_layers_positions_and_tokens_of_paged_cache(tiny):
     assert not torch.equal(out, full)  # and it changed the answer
 
 
+def test_a_prefix_hit_reads_the_quantized_kv_it_would_have_computed(tiny):
+    """Within the budget a request is cached; a later one with the same prompt hits every
+    block, and the last token's logits (a peek) are computed as they were the first time."""
+    ids = prompt_ids(16).numpy()
+    requests = [Request("first", tokens=ids, output_len=3),
+                Request("again", tokens=ids, output_len=3, arrival=1e3)]
+    result = run_engine(requests, from_hf(tiny), capacity_blocks=64, block_size=4, check=True,
+                        config=ONE_CHUNK, token_policy="moe_nd", token_budget=64,
+                        token_params={"routing": UNEVEN})
+    assert [r.cached_tokens for r in result.sim.records] == [0, 16]
+    assert result.answers["again"] == result.answers["first"]
+    assert result.top_logits["again"] == result.top_logits["first"]
+
+
 def test_the_judge_keeps_the_same_layers_in_hf_and_the_engine():
     """A routing on the shipped judge at 15% of a 1,024-token context on average (layers at
     10, 10, 20 and 20%, 4 and 8 bits): the same positions and tokens in both."""

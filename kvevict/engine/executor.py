@@ -434,7 +434,8 @@ class EngineExecutor(Executor):
         saved = kv[:, :, block, slot].clone()
         ids = torch.tensor(self._tokens(w.state, pos, w.end), device=self.model.device)
         try:
-            row = self.model.forward_paged(self.pool, [(ids, pos, w.table)])[0]
+            store = None if self.tokens is None else self.tokens.kv_store  # as when computed
+            row = self.model.forward_paged(self.pool, [(ids, pos, w.table)], kv_store=store)[0]
         finally:
             kv[:, :, block, slot] = saved
         self.peeks += 1
