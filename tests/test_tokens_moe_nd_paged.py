@@ -3,7 +3,8 @@
 
 - Each layer keeps its routed share of the budget (exact counts on a hand-checked case).
 - `store_kv` is quantize-then-dequantize per token, within each bit width's bound, and it is
-  what the cache stores; `packed_bytes` counts codes and scales.
+  what the cache stores; a forward attends to its own tokens as computed and to earlier ones
+  as stored (HF and the engine); `packed_bytes` counts codes and scales.
 - Unquantized at a budget at or above the sequence length: `DynamicCache`'s greedy tokens, in
   ``generate()`` and the engine.
 - HF and the engine keep the same positions per layer and generate the same tokens with
@@ -83,11 +84,13 @@ def test_the_cache_stores_what_store_kv_returns(tiny):
     with torch.no_grad():
         tiny(input_ids=ids[None, :5], cache=full, use_cache=True)
         tiny(input_ids=ids[None, :5], cache=cache, use_cache=True)
-    # layer 0's inputs are the model's own (later layers read quantized attention)
-    got, plain = cache.layers[0], full.layers[0]
-    want_k, want_v = moe.store_kv(0, plain.keys, plain.values)
-    assert torch.equal(got.keys, want_k) and torch.equal(got.values, want_v)
-    assert not torch.equal(got.keys, plain.keys)
+    # one forward attends to its own tokens as computed, so every layer's inputs are the
+    # model's own, and every layer stores what store_kv makes of the unquantized K/V
+    for got, plain in zip(cache.layers, full.layers, strict=True):
+        want_k, want_v = moe.store_kv(got.layer_idx, plain.keys, plain.values)
+        assert torch.allclose(got.keys, want_k, atol=1e-6)
+        assert torch.allclose(got.values, want_v, atol=1e-6)
+        assert not torch.equal(got.keys, plain.keys)
 
 
 def test_packed_bytes_counts_codes_and_scales_per_layer():
@@ -146,18 +149,36 @@ def test_engine_keeps_the_layers_positions_and_tokens_of_paged_cache(tiny):
     assert not torch.equal(out, full)  # and it changed the answer
 
 
-def test_a_prefix_hit_reads_the_quantized_kv_it_would_have_computed(tiny):
-    """Within the budget a request is cached; a later one with the same prompt hits every
-    block, and the last token's logits (a peek) are computed as they were the first time."""
-    ids = prompt_ids(16).numpy()
-    requests = [Request("first", tokens=ids, output_len=3),
-                Request("again", tokens=ids, output_len=3, arrival=1e3)]
+def top_logit(model, chunks: list[torch.Tensor], policy) -> float:
+    """The top-1 logit after the last of ``chunks`` fed in turn through a `PagedCache`."""
+    cache = PagedCache(model, token_policy=policy)
+    with torch.no_grad():
+        for chunk in chunks:
+            logits = model(input_ids=chunk[None], cache=cache, use_cache=True).logits
+    return float(logits[0, -1].max())
+
+
+def test_a_prefix_hit_reads_the_stored_kv_and_a_forward_its_own_as_computed(tiny):
+    """Within the budget a request is cached. Its prefill attends to its own tokens as
+    computed (its first logit is PagedCache's over the prompt in one forward); a later request
+    with the same prompt hits every block, and its last token (a peek) reads the prompt as
+    stored, quantized (PagedCache's over the prompt less its last token, then that token)."""
+    ids = prompt_ids(16)
+    requests = [Request("first", tokens=ids.numpy(), output_len=3),
+                Request("again", tokens=ids.numpy(), output_len=3, arrival=1e3)]
     result = run_engine(requests, from_hf(tiny), capacity_blocks=64, block_size=4, check=True,
                         config=ONE_CHUNK, token_policy="moe_nd", token_budget=64,
                         token_params={"routing": UNEVEN})
     assert [r.cached_tokens for r in result.sim.records] == [0, 16]
-    assert result.answers["again"] == result.answers["first"]
-    assert result.top_logits["again"] == result.top_logits["first"]
+
+    def policy():
+        return make_token_policy("moe_nd", budget=64, routing=UNEVEN)
+
+    whole = top_logit(tiny, [ids], policy())
+    split = top_logit(tiny, [ids[:-1], ids[-1:]], policy())
+    assert abs(whole - split) > 1e-4  # reading the stored prompt changes the logits
+    assert result.top_logits["first"][0] == pytest.approx(whole, abs=1e-5)
+    assert result.top_logits["again"][0] == pytest.approx(split, abs=1e-5)
 
 
 def test_the_judge_keeps_the_same_layers_in_hf_and_the_engine():

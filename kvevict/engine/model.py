@@ -678,8 +678,10 @@ class LlamaModel:
                 return as well, ``0 .. n`` (None: none, and the plain return value).
             head_masks: per entry, None or its per-head mask (see above); None: no masks.
             kv_store: None, or ``kv_store(layer, keys, values) -> (keys, values)`` on the new
-                tokens' K/V ``[1, Hkv, n, D]`` of every layer before they are written and
-                attended to (a token policy's ``store_kv``: MoE-nD's quantization).
+                tokens' K/V ``[1, Hkv, n, D]`` of every layer: what the pool keeps of them (a
+                token policy's ``store_kv``: MoE-nD's quantization). The forward attends to
+                its own new tokens as computed and to earlier ones as the pool keeps them: the
+                computed K/V are written, attended to, then replaced by ``kv_store``'s.
 
         Returns:
             float32 logits of each sequence's last new token, ``[len(seqs), vocab]``; with
@@ -743,9 +745,6 @@ class LlamaModel:
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_pool = kv[li, 0].view(-1, c.num_kv_heads, c.head_dim)
             v_pool = kv[li, 1].view(-1, c.num_kv_heads, c.head_dim)
-            if kv_store is not None:
-                k, v = (t[0].transpose(0, 1)
-                        for t in kv_store(li, k.transpose(0, 1)[None], v.transpose(0, 1)[None]))
             k_pool.index_copy_(0, slots, k)
             v_pool.index_copy_(0, slots, v)
             for i, lo, hi in rows:
@@ -762,6 +761,11 @@ class LlamaModel:
                                                   k[offset:offset + n], v[offset:offset + n],
                                                   plan, None if heads is None else heads[li]))
                 offset += n
+            if kv_store is not None:  # what the pool keeps, once this forward has attended
+                k, v = (t[0].transpose(0, 1)
+                        for t in kv_store(li, k.transpose(0, 1)[None], v.transpose(0, 1)[None]))
+                k_pool.index_copy_(0, slots, k)
+                v_pool.index_copy_(0, slots, v)
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
         x = self._run_layers(ids, rope_positions, max_position, attend)

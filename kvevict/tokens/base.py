@@ -166,10 +166,11 @@ class TokenPolicy(abc.ABC):
 
     def store_kv(self, layer_idx: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """What the cache stores for the K/V ``[..., D]`` (``[B, Hkv, q, D]``) a forward just
-        computed in ``layer_idx``: unchanged here. With ``transforms_kv`` the caller stores
-        (and the forward's attention reads) what this returns, once per token: it must treat
-        each token and head on its own (no group spans tokens), depend on nothing but the
-        layer, and keep shapes and dtypes."""
+        computed in ``layer_idx``: unchanged here. With ``transforms_kv`` the caller stores what
+        this returns, once per token, and every later forward reads it (the forward that
+        computed them attends to them as computed, as transformers' ``QuantizedCache`` does): it
+        must treat each token and head on its own (no group spans tokens), depend on nothing
+        but the layer, and keep shapes and dtypes."""
         return keys, values
 
     def head_counts(self, layer_idx: int, length: int, kv_heads: int) -> list[int]:

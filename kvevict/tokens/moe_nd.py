@@ -18,7 +18,10 @@ calibration, `kvevict.adapters.hf.routed.calibrate`).
   learned ``lkv_t`` / ``kvp``) ranks the layer's tokens.
 - **Quantization per layer**, simulated (fake quantization): `store_kv` quantizes each K/V
   ``kvevict.tokens.quant.quantize`` then dequantizes it, at the layer's bit widths, as the
-  cache stores it (before the forward's own attention reads it). Groups run along each token's
+  cache stores it. The forward that computed a token attends to it as computed, and every
+  later forward reads it as stored, as transformers' ``QuantizedCache`` does (its ``update``
+  returns a forward's own K/V unquantized) and as `RoutedCache` does (it prefills at full
+  precision and compresses after). Groups run along each token's
   channels for keys and values alike (``axis="token"``): a token is quantized once, as it is
   stored, so its K/V do not change when other tokens are evicted. (`RoutedCache` quantizes keys
   per channel, KIVI's choice, over a fixed compressed context.) The cache holds the dequantized

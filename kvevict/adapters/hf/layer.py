@@ -130,12 +130,18 @@ class PagedLayer(CacheLayerMixin):
                **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Store this forward's keys and values ``[B, Hkv, q, D]`` (as the token policy's
         ``store_kv`` gives them back when it ``transforms_kv``); return every stored slot's
-        (the view attention reads). With a token policy, evict down to the budget after."""
+        (the view attention reads). With a token policy, evict down to the budget after.
+
+        With ``transforms_kv`` the forward's attention reads its own new tokens as computed
+        and the earlier ones as stored: a token is read through ``store_kv`` by every later
+        forward, not by its own (as a quantized KV cache reads back only what it stored)."""
         cache = self._cache
         fwd = cache.check_update(self, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        computed = None
         if cache.token_policy is not None and cache.token_policy.transforms_kv:
+            computed = key_states, value_states
             key_states, value_states = stored_kv(cache.token_policy, self.layer_idx,
                                                  key_states, value_states)
         q, start = fwd.q, self.stored
@@ -154,6 +160,9 @@ class PagedLayer(CacheLayerMixin):
             self._valid[:, start:end] = fwd.valid
             self._evict(fwd, keys, values)
         self._refresh()
+        if computed is not None:  # this forward's own tokens as computed (see above)
+            keys = torch.cat((keys[:, :, :start], computed[0]), dim=2)
+            values = torch.cat((values[:, :, :start], computed[1]), dim=2)
         return keys, values
 
     def _evict(self, fwd: Forward, keys: Tensor, values: Tensor) -> None:
