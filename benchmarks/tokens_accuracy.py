@@ -38,6 +38,9 @@ LEARNED = ("lkv_t", "kvp")
 HEADS = ("ema_heads", "lkv_h")
 #: Every learned method (plotted solid, compared with the best heuristic).
 LEARNED_ALL = (*LEARNED, "lkv_h")
+#: ``moe_nd``'s routing in the decode cost: 15% of the context per layer on average (layers
+#: at 10, 10, 20 and 20%, keys and values at 4 and 8 bits), as in tests/test_tokens_moe_nd_paged.py.
+MOE_DECODE_ROUTING = ((0.1, 4, 4), (0.1, 8, 4), (0.2, 8, 8), (0.2, 4, 8))
 
 
 def head_accuracy(model, items, method: str, fraction: float) -> tuple[float, int]:
@@ -63,6 +66,11 @@ def policy_params(name: str, model) -> dict:
             torch.manual_seed(1)
             return {"scorer": KVScorer(ScorerShape.of(model), per_head=name == "kvp")}
         return {"scorer": path, "shape": ScorerShape.of(model)}
+    if name == "lkv_h":  # its per-head ranker and learned budgets, through make_token_policy
+        return {"scorer": JUDGE_DIR / "lkv_h_scorer.safetensors",
+                "budgets": JUDGE_DIR / "lkv_h.safetensors", "shape": ScorerShape.of(model)}
+    if name == "moe_nd":
+        return {"routing": MOE_DECODE_ROUTING}
     return {}
 
 
@@ -214,10 +222,9 @@ def decode_cost(model, policies, fraction: float = 0.15, reps: int = 30) -> dict
               "paged (no policy)": lambda: PagedCache(model)}
     budget = budget_for(fraction, len(item.prompt))
     for name in policies:
-        if name in HEADS:
+        if name in HEADS:  # context compression once, and the make_token_policy route below
             scoring = "ema" if name == "ema_heads" else "knorm"
-            makers[name] = lambda s=scoring: HeadCache(model, fraction, scoring=s)
-            continue
+            makers[f"HeadCache, {name}"] = lambda s=scoring: HeadCache(model, fraction, scoring=s)
         makers[name] = (lambda n=name: PagedCache(model, token_policy=make_token_policy(
             n, budget=budget, **policy_params(n, model))))
     samples: dict[str, list[float]] = {k: [] for k in makers}
@@ -273,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         print("| cache | decode step / DynamicCache step |\n|---|---|")
         for k, v in ratios.items():
             print(f"| {k} | {v:.2f}x |")
+        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "tokens_decode.json").write_text(json.dumps(ratios, indent=1) + "\n")
         return 0
     rows = accuracy_grid(model, args.seeds, args.items, args.policies, args.fractions)
