@@ -55,6 +55,7 @@ from kvevict.registry import Registry
 
 __all__ = [
     "TOKEN_POLICIES",
+    "LayerState",
     "TokenPolicy",
     "available_token_policies",
     "check_head_selection",
@@ -279,6 +280,50 @@ def stored_kv(policy: TokenPolicy, layer_idx: int, keys: Tensor,
                           f"given, {tuple(keys.shape)} {keys.dtype} and {tuple(values.shape)} "
                           f"{values.dtype}")
     return got
+
+
+class LayerState(abc.ABC):
+    """The state of a token policy that keeps one tensor per layer, batch rows first, aligned
+    with the stored slots (`kvevict.tokens.heuristics.H2O`'s accumulated attention,
+    `kvevict.tokens.head_policies.EMAHeads`' per-head EMA). Put it before the `TokenPolicy`
+    base: it supplies `reset` (forget every layer), `reorder` (follow a beam reorder of the
+    rows), `accumulated` (a copy of a layer's state) and `select`: the base policy's
+    selection, then the layer's state folded with this call's attention (the subclass's
+    ``_accumulate``, pure) and kept for the selected slots only. The subclass's ``__init__``
+    sets ``self._state = {}``."""
+
+    _state: dict[int, Tensor]
+
+    @abc.abstractmethod
+    def _accumulate(self, layer_idx: int, attention: Tensor) -> Tensor:
+        """The layer's state grown to the ``T`` stored slots and folded with ``attention``
+        (pure: the state is kept by `select`)."""
+
+    def select(self, layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor,
+               valid: Tensor, attention: Tensor | None = None) -> Tensor:
+        """Select as the base policy does, then keep the state of the selected slots only."""
+        kept = super().select(layer_idx, keys, values, positions, valid,  # type: ignore[misc]
+                              attention)
+        assert attention is not None  # a stateful policy needs attention (_check raised)
+        state = self._accumulate(layer_idx, attention)
+        self._state[layer_idx] = state.gather(-1, kept.to(state.device))
+        return kept
+
+    def reset(self) -> None:
+        """Forget every layer's state (a new sequence, or the cache was cropped)."""
+        self._state.clear()
+
+    def reorder(self, batch_indices: Tensor) -> None:
+        """Row ``i`` of every layer's state becomes the old row ``batch_indices[i]``."""
+        for layer_idx, state in self._state.items():
+            idx = batch_indices.to(device=state.device, dtype=torch.long)
+            self._state[layer_idx] = state.index_select(0, idx)
+
+    def accumulated(self, layer_idx: int) -> Tensor | None:
+        """The state of a layer's kept slots (``[B, T]``, or ``[B, Hkv, T]`` per head), or
+        None (a copy)."""
+        state = self._state.get(layer_idx)
+        return None if state is None else state.clone()
 
 
 # -- what a head-granular select returns -------------------------------------------------

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from kvevict.errors import ConfigError, PolicyError
 from kvevict.tokens.base import (
+    LayerState,
     TokenPolicy,
     check_int,
     head_counts_of,
@@ -103,7 +104,7 @@ class HeadTokenPolicy(TokenPolicy):
 
 
 @register_token_policy("ema_heads")
-class EMAHeads(HeadTokenPolicy):
+class EMAHeads(LayerState, HeadTokenPolicy):
     """EMA-scored head-granular eviction: each kv head keeps its own ``min(budget, T)`` slots
     by the EMA of the attention its queries gave them.
 
@@ -135,25 +136,12 @@ class EMAHeads(HeadTokenPolicy):
                  n_recent: int = N_RECENT) -> None:
         super().__init__(budget, n_recent)
         self.decay = check_decay(decay)
-        self._ema: dict[int, Tensor] = {}
+        self._state: dict[int, Tensor] = {}  # per layer, each head's EMA [B, Hkv, T]
 
-    def reset(self) -> None:
-        self._ema.clear()
-
-    def reorder(self, batch_indices: Tensor) -> None:
-        for layer_idx, ema in self._ema.items():
-            idx = batch_indices.to(device=ema.device, dtype=torch.long)
-            self._ema[layer_idx] = ema.index_select(0, idx)
-
-    def accumulated(self, layer_idx: int) -> Tensor | None:
-        """The EMA ``[B, Hkv, T]`` of a layer's kept slots, per head, or None (a copy)."""
-        ema = self._ema.get(layer_idx)
-        return None if ema is None else ema.clone()
-
-    def _fold(self, layer_idx: int, attention: Tensor) -> Tensor:
+    def _accumulate(self, layer_idx: int, attention: Tensor) -> Tensor:
         """The kept slots' EMA grown to ``T`` slots and folded with ``attention`` (pure)."""
         batch, heads, _, length = attention.shape
-        ema = self._ema.get(layer_idx)
+        ema = self._state.get(layer_idx)
         if ema is not None and (ema.shape[:2] != (batch, heads) or ema.shape[2] > length):
             raise ConfigError(f"ema_heads layer {layer_idx} holds state for "
                               f"{list(ema.shape)} slots, got [{batch}, {heads}, {length}]: "
@@ -166,16 +154,7 @@ class EMAHeads(HeadTokenPolicy):
               attention: Tensor | None = None, *, valid: Tensor | None = None) -> Tensor:
         self._check(layer_idx, keys, values, positions, valid, attention)
         assert attention is not None  # _check raised otherwise
-        return self._fold(layer_idx, attention)
-
-    def select(self, layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor,
-               valid: Tensor, attention: Tensor | None = None) -> Tensor:
-        """Select as the base class does, then keep each head's EMA of its kept slots."""
-        kept = super().select(layer_idx, keys, values, positions, valid, attention)
-        assert attention is not None
-        ema = self._fold(layer_idx, attention)
-        self._ema[layer_idx] = ema.gather(2, kept.to(ema.device))
-        return kept
+        return self._accumulate(layer_idx, attention)
 
     def _params(self) -> dict[str, Any]:
         return {"decay": self.decay, "n_recent": self.n_recent}

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from kvevict.errors import ConfigError
 from kvevict.tokens.base import (
+    LayerState,
     TokenPolicy,
     check_int,
     newest,
@@ -82,7 +83,7 @@ class KeyNorm(TokenPolicy):
 
 
 @register_token_policy("h2o")
-class H2O(TokenPolicy):
+class H2O(LayerState, TokenPolicy):
     """Heavy hitters (accumulated attention) plus a recent window (H2O).
 
     Each token's score is the attention it has received, summed over every query seen so far
@@ -122,26 +123,13 @@ class H2O(TokenPolicy):
         self.n_recent = check_int("n_recent", n_recent, minimum=0)
         if self.n_recent > self.budget:
             raise ConfigError(f"n_recent ({n_recent}) must be at most budget ({budget})")
-        self._acc: dict[int, Tensor] = {}
-
-    def reset(self) -> None:
-        self._acc.clear()
-
-    def reorder(self, batch_indices: Tensor) -> None:
-        for layer_idx, acc in self._acc.items():
-            idx = batch_indices.to(device=acc.device, dtype=torch.long)
-            self._acc[layer_idx] = acc.index_select(0, idx)
-
-    def accumulated(self, layer_idx: int) -> Tensor | None:
-        """The accumulated attention ``[B, T]`` of a layer's kept slots, or None (a copy)."""
-        acc = self._acc.get(layer_idx)
-        return None if acc is None else acc.clone()
+        self._state: dict[int, Tensor] = {}  # per layer, the accumulated attention [B, T]
 
     def _accumulate(self, layer_idx: int, attention: Tensor) -> Tensor:
         """State of ``layer_idx`` grown to ``T`` slots, plus this call's attention (pure)."""
         batch, _, _, length = attention.shape
         received = attention.float().sum(dim=2).mean(dim=1)  # [B, T]
-        acc = self._acc.get(layer_idx)
+        acc = self._state.get(layer_idx)
         if acc is None:
             return received
         if acc.shape[0] != batch:
@@ -161,15 +149,6 @@ class H2O(TokenPolicy):
         scores = self._accumulate(layer_idx, attention)
         recent = newest(positions, self._all_valid(positions, valid), self.n_recent)
         return self._mask(scores.masked_fill(recent, torch.inf), valid)
-
-    def select(self, layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor,
-               valid: Tensor, attention: Tensor | None = None) -> Tensor:
-        """Select as the base class does, then keep the state of the selected slots only."""
-        kept = super().select(layer_idx, keys, values, positions, valid, attention)
-        assert attention is not None
-        acc = self._accumulate(layer_idx, attention)
-        self._acc[layer_idx] = acc.gather(1, kept.to(acc.device))
-        return kept
 
     def _params(self) -> dict[str, Any]:
         return {"n_recent": self.n_recent}
