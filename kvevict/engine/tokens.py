@@ -53,12 +53,13 @@ import torch
 from torch import Tensor
 
 from kvevict.engine.model import LlamaModel
-from kvevict.errors import ConfigError, KVEvictError, PolicyError
+from kvevict.errors import ConfigError, KVEvictError
 from kvevict.manager import KVCacheManager, Sequence
 from kvevict.pool import BlockPool
 from kvevict.tokens import TOKEN_POLICIES, ScorerShape, TokenPolicy, make_token_policy
 from kvevict.tokens.base import (
     check_head_selection,
+    check_selection,
     head_counts_of,
     stored_kv,
     window_attention,
@@ -291,17 +292,10 @@ class TokenEviction:
                 attention = window_attention(queries[li][None], keys, valid,  # type: ignore
                                              self.scaling)
             kept = policy.select(li, keys, values, positions[None], valid, attention=attention)
-            if (not isinstance(kept, Tensor) or tuple(kept.shape) != (1, count)
-                    or kept.dtype != torch.long):
-                got = tuple(kept.shape) if isinstance(kept, Tensor) else type(kept).__name__
-                raise PolicyError(f"{policy!r}.select returned {got}; expected a long tensor "
-                                  f"of shape {(1, count)}")
+            check_selection(policy, kept, 1, count, length)
             if count == length:
                 continue  # every slot kept
             index = kept[0].to(device)
-            if count > 1 and not bool((index[1:] > index[:-1]).all()):
-                raise PolicyError(f"{policy!r}.select must return slot indices ascending and "
-                                  "unique per row")
             self._write_kv(kv, li, slots, k[index], v[index])
             state.positions[li] = positions[index]
         self._compact(manager, item, length, count)

@@ -60,6 +60,7 @@ __all__ = [
     "available_token_policies",
     "check_head_selection",
     "check_int",
+    "check_selection",
     "eager_attention",
     "head_counts_of",
     "make_token_policy",
@@ -340,6 +341,22 @@ def head_counts_of(policy: TokenPolicy, layer_idx: int, length: int, kv_heads: i
         raise PolicyError(f"{policy!r}.head_counts({layer_idx}, {length}, {kv_heads}) returned "
                           f"{counts!r}; expected {kv_heads} ints in [{least}, {length}]")
     return list(counts)
+
+
+def check_selection(policy: TokenPolicy, kept: Any, batch: int, count: int,
+                    length: int) -> Tensor:
+    """Check what a layer-granular ``select`` returned for a layer of ``length`` stored slots
+    keeping ``count``: long ``[B, count]``, and, when it drops slots (``count < length``),
+    ascending and unique per row; otherwise `PolicyError`. Returns ``kept``."""
+    if (not isinstance(kept, Tensor) or tuple(kept.shape) != (batch, count)
+            or kept.dtype != torch.long):
+        got = tuple(kept.shape) if isinstance(kept, Tensor) else type(kept).__name__
+        raise PolicyError(f"{policy!r}.select returned {got}; expected a long tensor of "
+                          f"shape {(batch, count)}")
+    if 1 < count < length and not bool((kept[:, 1:] > kept[:, :-1]).all()):
+        raise PolicyError(f"{policy!r}.select must return slot indices ascending and "
+                          "unique per row")
+    return kept
 
 
 def check_head_selection(policy: TokenPolicy, kept: Any, batch: int, counts: Sequence[int],

@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
-from kvevict.errors import PolicyError
-from kvevict.tokens.base import check_head_selection, stored_kv
+from kvevict.tokens.base import check_head_selection, check_selection, stored_kv
 
 if TYPE_CHECKING:
     from kvevict.adapters.hf.cache import PagedCache
@@ -180,16 +179,9 @@ class PagedLayer(CacheLayerMixin):
         kept = policy.select(self.layer_idx, keys, values, positions, valid, attention=attention)
         batch = keys.shape[0]
         count = min(cache.budget, length)
-        if (not isinstance(kept, Tensor) or tuple(kept.shape) != (batch, count)
-                or kept.dtype != torch.long):
-            got = tuple(kept.shape) if isinstance(kept, Tensor) else type(kept).__name__
-            raise PolicyError(f"{policy!r}.select returned {got}; expected a long tensor of "
-                              f"shape {(batch, count)}")
+        check_selection(policy, kept, batch, count, length)
         if count == length:
             return  # every slot kept (select returns them ascending)
-        if count > 1 and not bool((kept[:, 1:] > kept[:, :-1]).all()):
-            raise PolicyError(f"{policy!r}.select must return slot indices ascending and "
-                              "unique per row")
         index = kept.to(keys.device)
         gather = index[:, None, :, None].expand(batch, keys.shape[1], count, keys.shape[3])
         self._keep(fwd, keys.gather(2, gather), values.gather(2, gather),
