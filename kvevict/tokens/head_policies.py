@@ -70,6 +70,16 @@ class HeadTokenPolicy(TokenPolicy):
     def __init__(self, budget: int, n_recent: int = 0) -> None:
         super().__init__(budget)
         self.n_recent = min(check_int("n_recent", n_recent, minimum=0), self.budget)
+        self._allocation: tuple[int, list[list[int]]] | None = None
+
+    def allocated(self, shares: Tensor, length: int) -> list[list[int]]:
+        """`allocate` over ``shares`` (``[L, H]``) at retention ``min(1, budget / length)`` for
+        ``length`` (>= 1) stored slots: counts summing to ``budget · L · H`` (all of them under
+        the budget), each at most ``length``; computed once per length (every layer asks)."""
+        if self._allocation is None or self._allocation[0] != length:
+            counts = allocate(shares, min(1.0, self.budget / length), length)
+            self._allocation = (length, counts.tolist())
+        return self._allocation[1]
 
     @abc.abstractmethod
     def score(self, layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor,
@@ -211,7 +221,6 @@ class LKVHeads(HeadTokenPolicy):
         self.scorer, self.budgets, self.shape = scorer, budgets, scorer.shape
         with torch.no_grad():
             self._shares = budgets.shares().detach().clone()
-        self._counts: tuple[int, list[list[int]]] | None = None
 
     def head_counts(self, layer_idx: int, length: int, kv_heads: int) -> list[int]:
         """Head ``h`` of ``layer_idx`` keeps ``allocate(shares, min(1, budget / T), T)[l, h]``
@@ -222,10 +231,7 @@ class LKVHeads(HeadTokenPolicy):
                               f"{kv_heads}")
         if length == 0:
             return [0] * kv_heads
-        if self._counts is None or self._counts[0] != length:
-            counts = allocate(self._shares, min(1.0, self.budget / length), length)
-            self._counts = (length, counts.tolist())
-        return list(self._counts[1][layer_idx])
+        return list(self.allocated(self._shares, length)[layer_idx])
 
     @torch.no_grad()
     def score(self, layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor,

@@ -41,7 +41,6 @@ from torch import Tensor
 from kvevict.errors import ConfigError
 from kvevict.tokens.base import TokenPolicy, make_token_policy, register_token_policy
 from kvevict.tokens.head_policies import HeadTokenPolicy
-from kvevict.tokens.heads import allocate
 from kvevict.tokens.learned import N_RECENT, ScorerShape
 from kvevict.tokens.quant import kv_bytes, quantize
 from kvevict.tokens.solver import Tuple, check_tuple
@@ -97,17 +96,13 @@ class MoEND(HeadTokenPolicy):
         self.inner = inner
         self._shares = torch.tensor([[t.keep_ratio] for t in self.routing],
                                     dtype=torch.float64)
-        self._counts: tuple[int, list[int]] | None = None
 
     def layer_counts(self, length: int) -> list[int]:
         """Slots each layer keeps of ``length`` stored ones (sum ``budget · L`` over the
         budget, all of them under it)."""
         if length == 0:
             return [0] * len(self.routing)
-        if self._counts is None or self._counts[0] != length:
-            counts = allocate(self._shares, min(1.0, self.budget / length), length)
-            self._counts = (length, counts[:, 0].tolist())
-        return list(self._counts[1])
+        return [row[0] for row in self.allocated(self._shares, length)]
 
     def head_counts(self, layer_idx: int, length: int, kv_heads: int) -> list[int]:
         if not 0 <= layer_idx < len(self.routing):
