@@ -17,6 +17,15 @@ for path in (HERE, HERE.parent):  # sibling helper modules; kvevict without `pip
         sys.path.insert(0, str(path))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Benchmarks time one process at a time: they run serially, whatever the project's
+    ``addopts`` ask for the tests (``-n auto``, pytest-xdist; pytest-benchmark turns itself off
+    under xdist)."""
+    config.option.numprocesses = 0
+    config.option.dist = "no"
+    config.option.tx = []
+
+
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:
     if (file_path.suffix == ".py" and file_path.name.startswith("bench_")
             and not parent.session.isinitpath(file_path)):  # named on the command line:

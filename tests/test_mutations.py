@@ -41,7 +41,7 @@ def test_the_suite_kills_the_mutant(mutant):
     targets, expected = CASES[mutant]
     env = {**os.environ, "KVEVICT_MUTANT": mutant}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                          *targets], cwd=TESTS.parent, env=env, capture_output=True,
+                          "-n", "0", *targets], cwd=TESTS.parent, env=env, capture_output=True,
                          text=True, timeout=300)
     out = run.stdout + run.stderr
     assert run.returncode == 1, f"the mutant {mutant!r} survived:\n{out[-3000:]}"
