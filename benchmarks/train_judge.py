@@ -10,17 +10,17 @@ weights). Tests and docs use the shipped weights; this is a one-off.
 
 Recipe: answer-token cross-entropy only (filler is random and unlearnable), AdamW with warm-up,
 several questions per context (a dense signal, as Zoology's MQAR training asks every key), and a
-curriculum that earns each step. Contexts start short (56-64 tokens) and with few records (4
-recall pairs, 2 needle distractors, 1 variable chain: ``--scale`` 1/6). Each time every task's
-running answer-token accuracy reaches 0.9, the curriculum steps: first the record count grows by
-1/12 of the full task up to the evaluated tasks, then the longest context grows by 32 tokens up to
-1280. The reason is measured: from scratch, 24 pairs in 64 tokens sat on the copy-any-value
-plateau for thousands of steps, while 4 pairs broke out of it (the induction step forms) within
-about 4,000 small steps; see docs/tokens.md. The learning rate is constant until the curriculum is
-done (or half the time is spent), then decays on a cosine over the time left. Training stops
-early once every task's held-out exact match is at least ``--target`` on two evaluations in a
-row; the manifest reports a final exact match on 256 fresh items per task, and the curriculum's
-state so that ``--resume`` continues where it stopped.
+curriculum that earns each step. Contexts start short (56-64 tokens; ``--start-length``) and with
+few records (4 recall pairs, 2 needle distractors, 1 variable chain: ``--scale`` 1/6). Each time
+every task's running answer-token accuracy reaches 0.9, the curriculum steps: first the record
+count grows by 1/12 of the full task up to the evaluated tasks, then the longest context grows by
+32 tokens up to 1280. The reason is measured: from scratch, 24 pairs in 64 tokens sat on the
+copy-any-value plateau for thousands of steps, while 4 pairs broke out of it (the induction step
+forms) within about 4,000 small steps; see docs/tokens.md. The learning rate is constant until the
+curriculum is done (or half the time is spent), then decays on a cosine over the time left.
+Training stops early once every task's held-out exact match is at least ``--target`` on two
+evaluations in a row; the manifest reports a final exact match on 256 fresh items per task, and the
+curriculum's state so that ``--resume`` continues where it stopped.
 """
 
 from __future__ import annotations
@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=None,
                     help="the curriculum's starting record scale (default 1/6, or the resumed "
                          "run's)")
+    ap.add_argument("--start-length", type=int, default=64,
+                    help="the curriculum's starting longest context in tokens (default 64; a "
+                         "context is never shorter than its records, so 16 starts with almost "
+                         "no filler), unless resumed")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target", type=float, default=0.95)
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = ({} if args.resume is None else
                 json.loads((args.resume / "MANIFEST.json").read_text()))
     history = previous.get("history", [])
-    state = previous.get("curriculum", {"scale": 2 / 12, "top": 64})
+    state = previous.get("curriculum", {"scale": 2 / 12, "top": args.start_length})
     if args.scale is not None:
         state["scale"] = args.scale
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98),
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if decay_from is not None:
             left = max(1.0, args.minutes * 60 - decay_from[1])
             decay = min(1.0, (elapsed - decay_from[1]) / left)
-        length = int(rng.integers(max(56, top // 2), top + 1))
+        length = int(rng.integers(min(max(56, top // 2), top), top + 1))
         rows = max(1, args.tokens_per_step // length)
         tasks = [TASKS[(step + r) % len(TASKS)] for r in range(rows)]
         length = max(length, *(min_length(t, scale) for t in tasks))
