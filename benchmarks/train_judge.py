@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="continue from the model saved in this folder (its MANIFEST.json's "
                          "history is carried over)")
     args = ap.parse_args(argv)
+    if args.start_length < 1:
+        ap.error(f"--start-length must be at least 1 token, got {args.start_length}")
 
     from transformers import LlamaForCausalLM
 
