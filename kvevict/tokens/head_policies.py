@@ -70,16 +70,18 @@ class HeadTokenPolicy(TokenPolicy):
     def __init__(self, budget: int, n_recent: int = 0) -> None:
         super().__init__(budget)
         self.n_recent = min(check_int("n_recent", n_recent, minimum=0), self.budget)
-        self._allocation: tuple[int, list[list[int]]] | None = None
+        self._allocation: tuple[Tensor, int, list[list[int]]] | None = None
 
     def allocated(self, shares: Tensor, length: int) -> list[list[int]]:
         """`allocate` over ``shares`` (``[L, H]``) at retention ``min(1, budget / length)`` for
         ``length`` (>= 1) stored slots: counts summing to ``budget · L · H`` (all of them under
-        the budget), each at most ``length``; computed once per length (every layer asks)."""
-        if self._allocation is None or self._allocation[0] != length:
+        the budget), each at most ``length``; computed once per (shares, length): every layer
+        asks with the policy's own shares."""
+        cached = self._allocation
+        if cached is None or cached[0] is not shares or cached[1] != length:
             counts = allocate(shares, min(1.0, self.budget / length), length)
-            self._allocation = (length, counts.tolist())
-        return self._allocation[1]
+            cached = self._allocation = (shares, length, counts.tolist())
+        return cached[2]
 
     @abc.abstractmethod
     def score(self, layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor,
