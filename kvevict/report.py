@@ -113,8 +113,8 @@ def _load_text(load: Mapping[str, Any]) -> str:
         parts.append(f"rate scale {scale:g}")
     measured = load.get("measured_load")
     if isinstance(measured, (int, float)):
-        parts.append(f"measured load {measured:.2f} (busy seconds per second of arrivals, the "
-                     "worst online policy)")
+        parts.append(f"measured load {measured:.2f} (its own work per second of arrivals, the "
+                     "worst online policy and seed)")
     if parts:
         return ", ".join(parts)
     return "marked unstable" if load.get("stable") is False else "ρ not given"

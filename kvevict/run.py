@@ -100,19 +100,34 @@ class CostModelExecutor(Executor):
     def __init__(self, cost: CostModel, clock: ManualClock) -> None:
         self.cost = cost
         self.clock = clock
+        #: the work of the steps run, priced per sequence as `kvevict.load.offered_load`
+        #: prices it: prefill seconds, decode seconds without each step's shared part
+        #: (``decode_step_s``), and decode tokens (`RunCollector.result`'s measured load)
+        self.prefill_work = 0.0
+        self.decode_work = 0.0
+        self.decode_tokens = 0
+
+    def step_parts(self, plan: StepPlan) -> tuple[float, float]:
+        """What ``plan`` costs: its prefill chunks' seconds and its decode step's."""
+        cost = self.cost
+        prefill = 0.0
+        for chunk in plan.prefills:
+            prefill += chunk_seconds(cost, chunk.start, chunk.end, chunk.computed)
+        decode = cost.decode_batch_seconds(
+            [s.seq.num_tokens for s in plan.decodes]) if plan.decodes else 0.0  # type: ignore[union-attr]
+        return prefill, decode
 
     def step_seconds(self, plan: StepPlan) -> float:
-        cost = self.cost
-        seconds = 0.0
-        for chunk in plan.prefills:
-            seconds += chunk_seconds(cost, chunk.start, chunk.end, chunk.computed)
-        if plan.decodes:
-            seconds += cost.decode_batch_seconds(
-                [s.seq.num_tokens for s in plan.decodes])  # type: ignore[union-attr]
-        return seconds
+        prefill, decode = self.step_parts(plan)
+        return prefill + decode
 
     def execute(self, plan: StepPlan, manager: KVCacheManager) -> StepOutput:
-        seconds = self.step_seconds(plan)
+        prefill, decode = self.step_parts(plan)
+        self.prefill_work += prefill
+        if plan.decodes:
+            self.decode_work += max(decode - self.cost.decode_step_s, 0.0)
+            self.decode_tokens += len(plan.decodes)
+        seconds = prefill + decode
         self.clock.advance(seconds)
         return StepOutput({}, seconds)
 
@@ -373,6 +388,13 @@ class SimResult:
     #: seconds the executor was busy, and the span from the first to the last arrival
     busy_seconds: float = 0.0
     arrival_span: float = 0.0
+    #: the work of the steps run with each decode step's shared part priced at
+    #: ``limit_batch`` sequences (`RunCollector.result`); None when the executor does not
+    #: price its steps with a cost model (the engine's run)
+    load_seconds: float | None = None
+    #: the mean decode batch of the steps run at the box's limit (`Scheduler.limit_steps`),
+    #: or ``max_num_seqs`` when the run never reached it
+    limit_batch: float | None = None
     #: the summary's columns of a run that kept no records (None when it kept them)
     columns: RunColumns | None = attrs.field(default=None, eq=False)
     #: a cache with memory tiers: what moved between them and how busy each link was
@@ -398,6 +420,22 @@ class SimResult:
             return np.array([r.ttft for r in self.records], dtype=np.float64)
         assert self.columns is not None
         return self.columns.in_arrival_order("ttft")
+
+    def measured_load(self, requests: int) -> float:
+        """The load this run put on the box: its work per second of arrivals, as
+        `kvevict.load.offered_load` prices ρ (``(requests - 1) / arrival_span`` requests a
+        second times the mean work), but with this policy's own prefill (its misses,
+        recomputation after preemption, a chunk's overhead each) and each decode step's shared
+        part priced at the batch the box ran when it was full (`limit_batch`), not at
+        ``max_num_seqs`` when memory held the batch below it. At >= 1 the box could not keep
+        up: the queue grew through the run. An infinite pool that never reaches its limit
+        gives ρ (tested). Without ``load_seconds`` (the engine), the busy seconds per second
+        of arrivals."""
+        if self.arrival_span <= 0:
+            return 0.0
+        if self.load_seconds is None or requests < 1:
+            return round(self.busy_seconds / self.arrival_span, 6)
+        return round(self.load_seconds * (requests - 1) / requests / self.arrival_span, 6)
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers (JSON-ready, rounded for stable output).
@@ -436,10 +474,12 @@ class SimResult:
             if self.makespan > 0 else 0.0,
             "requests_per_s": round(n / self.makespan, 6) if self.makespan > 0
             else 0.0,
-            # the measured load: busy seconds per second of arrivals; at >= 1 the box could
-            # not keep up with this policy's misses, and the queue grew through the run
-            "measured_load": round(self.busy_seconds / self.arrival_span, 6)
+            "measured_load": self.measured_load(n),
+            # busy seconds per second of arrivals: about 1 whenever something always runs, at
+            # any load (a decode step costs about the same at any batch), so not a load
+            "busy_load": round(self.busy_seconds / self.arrival_span, 6)
             if self.arrival_span > 0 else 0.0,
+            "limit_batch": None if self.limit_batch is None else round(self.limit_batch, 3),
             "evictions": stats["evictions"],
             "evictions_by_class": dict(sorted(stats["evictions_by_class"].items())),
             "preemptions": self.preemptions,
@@ -979,7 +1019,21 @@ class RunCollector:
             infinite_hit_tokens=self.infinite_hit_tokens,
             infinite_compute_tokens=self.infinite_compute_tokens,
             busy_seconds=scheduler.busy_seconds,
-            arrival_span=self.last_arrival - self.first_arrival, tiers=tiers)
+            arrival_span=self.last_arrival - self.first_arrival, tiers=tiers,
+            **_load(scheduler))
+
+
+def _load(scheduler: Scheduler) -> dict[str, float]:
+    """`SimResult.load_seconds` and `SimResult.limit_batch` of a run whose executor prices its
+    steps (`CostModelExecutor`); nothing otherwise."""
+    executor = scheduler.executor
+    if not isinstance(executor, CostModelExecutor):
+        return {}
+    batch = (scheduler.limit_decodes / scheduler.limit_steps if scheduler.limit_steps
+             else float(scheduler.config.max_num_seqs))
+    return {"load_seconds": executor.prefill_work + executor.decode_work
+            + executor.decode_tokens * executor.cost.decode_step_s / batch,
+            "limit_batch": batch}
 
 
 def collect(scheduler: Scheduler, ordered: SequenceABC[Request], clock: ManualClock,

@@ -333,6 +333,12 @@ class Scheduler:
         self.steps = 0
         #: seconds the executor spent on steps (the run's busy time)
         self.busy_seconds = 0.0
+        #: steps planned at the box's limit that decoded (a request was left waiting because
+        #: every seat was taken or memory was short, or the step preempted), and the
+        #: sequences those steps decoded: their ratio is the batch the box sustains when it is
+        #: full (`kvevict.run.SimResult.limit_batch`, the measured load's decode batch)
+        self.limit_steps = 0
+        self.limit_decodes = 0
         self.preemptions = 0
         self._retry_at: float | None = None
         # why the untouched part of the waiting queue waits since the last pass ("memory" or
@@ -472,6 +478,7 @@ class Scheduler:
             scheduled.add(state.request_id)
         if self.preemptions != preempted_before and plan:
             self._queue_reason = "memory"
+            self._at_limit(plan)
             return plan  # under memory pressure: start nothing new this step (as vLLM)
         deferred: list[RequestState] = []
         preempted_before = self.preemptions
@@ -549,9 +556,17 @@ class Scheduler:
                 state.enter("prefill", now, memory)
             budget -= computed
         self._queue_reason = reason
+        if self.waiting and (reason == "memory" or len(self.running) >= cfg.max_num_seqs):
+            self._at_limit(plan)
         for state in reversed(deferred):
             self.waiting.appendleft(state)
         return plan
+
+    def _at_limit(self, plan: StepPlan) -> None:
+        """Count ``plan`` as a step at the box's limit (`limit_steps`) when it decodes."""
+        if plan.decodes:
+            self.limit_steps += 1
+            self.limit_decodes += len(plan.decodes)
 
     def _loaded(self, state: RequestState, plan: StepPlan, budget: int, now: float,
                 memory: float, scheduled: set[Any]) -> int | None:

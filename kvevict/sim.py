@@ -152,8 +152,8 @@ class TierConfig:
 
 
 class _ZeroCostExecutor(CostModelExecutor):
-    def step_seconds(self, plan: StepPlan) -> float:
-        return 0.0
+    def step_parts(self, plan: StepPlan) -> tuple[float, float]:
+        return 0.0, 0.0
 
 
 class _Untimed:

@@ -355,7 +355,8 @@ def test_the_columns_summarize_as_the_records_do():
                                    ("policy", "capacity_blocks", "block_size",
                                     "manager_stats", "preemptions", "steps", "makespan",
                                     "infinite_hit_tokens", "infinite_compute_tokens",
-                                    "busy_seconds", "arrival_span")},
+                                    "busy_seconds", "arrival_span", "load_seconds",
+                                    "limit_batch")},
                                 "records": None, "columns": columns})
     assert from_columns.summary() == result.summary()
     assert sorted(result.summary()["classes"]) == ["agent", "chat"]

@@ -495,3 +495,42 @@ def test_a_value_policy_by_name_is_priced_with_the_simulated_box_costs():
     finally:
         POLICIES.unregister("probe_cost")
     assert seen[0] is box and seen[1] is own and seen[2] is None
+
+
+# -- the measured load: this policy's work, the decode at the batch the box sustains --------------
+
+LOAD_COST = CostModel(decode_step_s=0.02, decode_s_per_seq=1e-4, decode_s_per_context_token=1e-7,
+                      linear_s_per_token=1e-4, attn_s_per_pair=1e-8)
+
+
+def test_measured_load_of_an_infinite_pool_on_serial_traffic_is_the_offered_load():
+    from kvevict.load import offered_load
+
+    # each request done before the next arrives, every shared prefix cached, no seat ever
+    # short: the run's work is exactly what rho prices, while the box is busy far longer
+    # per request than its share of a full batch
+    reqs = [Request(f"r{i}", tokens=list(range(i % 3 * 100, i % 3 * 100 + 40)) + [1000 + i] * 8,
+                    output_len=5, arrival=0.2 * i) for i in range(12)]
+    summary = simulate(reqs, "lru", capacity_blocks=1000, block_size=16, cost=LOAD_COST,
+                       config=SchedulerConfig(max_num_seqs=8)).summary()
+    rho = offered_load(reqs, LOAD_COST, 16, max_batch=8).rho
+    assert summary["limit_batch"] == 8.0
+    assert summary["measured_load"] == pytest.approx(rho, abs=1e-6)
+    assert summary["busy_load"] > 3 * summary["measured_load"]
+
+
+def test_measured_load_prices_the_decode_at_the_batch_memory_allows():
+    # 2 blocks hold 2 of these sequences at a time, under 4 seats: every decode step with a
+    # request left waiting for memory ran 2 sequences, so the decode's shared part is priced
+    # at 2 per step, not at the 4 seats
+    # (six arrive at once; a seventh, alone after them, gives the arrivals a span of 1 s)
+    reqs = [Request(f"m{i}", tokens=[100 * i + k for k in range(8)], output_len=4,
+                    arrival=0.0 if i < 6 else 1.0) for i in range(7)]
+    summary = simulate(reqs, "lru", capacity_blocks=2, block_size=16, cost=LOAD_COST,
+                       config=SchedulerConfig(max_num_seqs=4)).summary()
+    assert summary["limit_batch"] == 2.0
+    assert summary["preemptions"] == 0
+    prefill = LOAD_COST.prefill_seconds(8)
+    decode = 3 * LOAD_COST.decode_s_per_seq + (9 + 10 + 11) * LOAD_COST.decode_s_per_context_token
+    work = 7 * (prefill + decode) + 7 * 3 * LOAD_COST.decode_step_s / 2
+    assert summary["measured_load"] == pytest.approx(work * 6 / 7 / 1.0, abs=1e-6)
