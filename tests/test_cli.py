@@ -138,6 +138,15 @@ def test_out_that_is_a_file(capsys, tmp_path):
     assert str(target) in message
 
 
+def test_the_main_job_compares_every_built_in_online_policy_and_belady():
+    from kvevict.cli import DEFAULT_POLICIES
+    from kvevict.policies.registry import is_offline
+
+    online = {p for p in available_policies() if not is_offline(p)}
+    assert set(DEFAULT_POLICIES) == online | {"belady"}
+    assert DEFAULT_POLICIES[0] == "lru" and len(set(DEFAULT_POLICIES)) == len(DEFAULT_POLICIES)
+
+
 def test_only_the_offline_oracle(capsys):
     message = user_error(capsys, ["simulate", "--workload", "chat", "--duration", "60",
                                   "--policies", "belady", "--no-sweep", "--quiet"])

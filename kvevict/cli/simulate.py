@@ -47,7 +47,10 @@ from kvevict.layout import PRESETS, KVLayout, from_hf_config, preset
 
 __all__ = ["DEFAULT_POLICIES", "add_parser", "simulate_command"]
 
-DEFAULT_POLICIES = ("lru", "lfu", "pinned", "market", "bayes", "dbms", "belady")
+#: what the main job compares: every built-in online policy (the baseline first, then the
+#: workload-aware and learned ones, then the classic baselines) and the offline bound
+DEFAULT_POLICIES = ("lru", "lfu", "pinned", "market", "bayes", "dbms", "learned", "s3fifo",
+                    "arc", "slru", "2q", "gdsf", "belady")
 DEFAULT_SWEEP = (2.0, 4.0)
 DEFAULT_WORKLOAD = "chat-steady"
 DEFAULT_GPU = "l4-24gb"
