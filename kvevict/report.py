@@ -190,10 +190,15 @@ def _rows(rows_or_cells: Sequence[Mapping[str, Any]],
     return aggregate(items, confidence)
 
 
-def _cell(value: Any, spec: str, single: bool = False) -> str:
+def _cell(value: Any, spec: str, single: bool = False, seeds: int | None = None) -> str:
     """A table cell: an `Interval` as mean ± half, or only its mean when the whole table is
-    one seed (``single``: a note says so once instead of ``(1 seed)`` in every cell)."""
+    one seed (``single``: a note says so once instead of ``(1 seed)`` in every cell). An
+    interval over fewer than the row's ``seeds`` (a value undefined on the other seeds) says
+    over how many: ``0.834 (1 of 5 seeds)``."""
     if isinstance(value, Interval):
+        if seeds is not None and value.n < seeds:
+            shown = format(value, spec) if value.known else format(value.mean, spec)
+            return f"{shown} ({value.n} of {seeds} seeds)"
         return format(value.mean, spec) if single and value.n == 1 else format(value, spec)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return format(value, spec)
@@ -273,7 +278,7 @@ def format_table(rows: Sequence[Mapping[str, Any]], markdown: bool = False, *,
             line.append(f"{r['capacity_blocks']:,}")
         if several_n:
             line.append(str(r["seeds"]))
-        line += [_cell(r.get(key), spec, single) for _, key, spec, _ in shown]
+        line += [_cell(r.get(key), spec, single, r["seeds"]) for _, key, spec, _ in shown]
         lines.append(line)
     text = _render(header, lines, markdown)
     return text + _notes(_footer(rows_, unstable, load, any(_is_latency(c[1]) for c in shown))

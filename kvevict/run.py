@@ -487,7 +487,9 @@ class SimResult:
             "peak_blocks": stats["peak_blocks_used"],
             "resume_lookups": resume_lookups,
             "resume_hit_blocks": resume_hits,
-            "resume_block_hit_ratio": _ratio(resume_hits, resume_lookups),
+            # undefined (None) when no request resumed: a ratio of nothing is not 0
+            "resume_block_hit_ratio": _ratio(resume_hits, resume_lookups) if resume_lookups
+            else None,
         }
         out.update(times)
         out["classes"] = classes

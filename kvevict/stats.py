@@ -308,7 +308,9 @@ def _aggregate_dicts(dicts: list[Mapping[str, Any]], confidence: float,
     for key in keys:
         if key in skip:
             continue
-        values = [d[key] for d in dicts if key in d]
+        values = [d[key] for d in dicts if d.get(key) is not None]
+        if not values:
+            continue
         agg = _aggregate_values(values, confidence)
         if agg is not None:
             out[key] = agg
@@ -324,8 +326,10 @@ def aggregate(cells: Sequence[Mapping[str, Any]],
     value (int or float, not bool) becomes an `Interval`; a dict (``"classes"``,
     ``"evictions_by_class"``) becomes a dict aggregated the same way, key by key; any other
     value is kept when every cell has the same one and dropped otherwise. A key that only some
-    cells hold (a class absent under one seed) is aggregated over the cells that hold it: its
-    `Interval`'s ``n`` says how many. ``"seed"`` itself is not a metric and is not kept.
+    cells hold (a class absent under one seed), or that some hold as ``None`` (undefined there:
+    ``resume_block_hit_ratio`` of a run in which no request resumed), is aggregated over the
+    cells that hold a value: its `Interval`'s ``n`` says how many. ``"seed"`` itself is not a
+    metric and is not kept.
 
     Raises:
         ConfigError: a cell without ``policy``, ``capacity_blocks`` or ``seed``, or two cells

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvevict import report
+from kvevict import report, stats
 from kvevict.errors import ConfigError
 from kvevict.stats import Interval, interval, paired
 
@@ -227,6 +227,18 @@ def test_format_table_default_columns_show_optional_ones_only_when_present():
     assert "resume" not in header and "hit" in header  # "token hit", "block hit"
     with_resume = [dict(c, resume_block_hit_ratio=0.1) for c in runs("lru", LRU)]
     assert "resume hit" in report.format_table(with_resume).splitlines()[0]
+
+
+def test_a_ratio_undefined_on_some_seeds_is_averaged_over_the_others_and_says_so():
+    # a run in which no request resumed has no resume hit ratio (None), not a ratio of 0
+    cells = [dict(c, resume_block_hit_ratio=v)
+             for c, v in zip(runs("lru", LRU), (None, 0.8, None), strict=True)]
+    row = stats.aggregate(cells)[0]
+    assert row["resume_block_hit_ratio"].n == 1 and row["resume_block_hit_ratio"].mean == 0.8
+    assert "0.800 (1 of 3 seeds)" in report.format_table(cells).splitlines()[2]
+    none = [dict(c, resume_block_hit_ratio=None) for c in runs("lru", LRU)]
+    assert "resume_block_hit_ratio" not in stats.aggregate(none)[0]
+    assert "resume" not in report.format_table(none).splitlines()[0]
 
 
 def _class_cells():

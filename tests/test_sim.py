@@ -517,6 +517,8 @@ def test_measured_load_of_an_infinite_pool_on_serial_traffic_is_the_offered_load
     assert summary["limit_batch"] == 8.0
     assert summary["measured_load"] == pytest.approx(rho, abs=1e-6)
     assert summary["busy_load"] > 3 * summary["measured_load"]
+    # no request resumed: the resume hit ratio is undefined, not 0
+    assert summary["resume_lookups"] == 0 and summary["resume_block_hit_ratio"] is None
 
 
 def test_measured_load_prices_the_decode_at_the_batch_memory_allows():
