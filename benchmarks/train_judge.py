@@ -21,6 +21,13 @@ curriculum is done (or half the time is spent), then decays on a cosine over the
 Training stops early once every task's held-out exact match is at least ``--target`` on two
 evaluations in a row; the manifest reports a final exact match on 256 fresh items per task, and the
 curriculum's state so that ``--resume`` continues where it stopped.
+
+The recipe that trains within the hour (measured; docs/tokens.md) is the same with two heads of
+64 dimensions instead of four of 32 (the k and v projections twice as wide, so twice the KV per
+token; the rest unchanged) and contexts that start with the records alone::
+
+    python benchmarks/train_judge.py --seed 0 --minutes 55 --steps 1000000 --threads 2 \
+        --eval-every 2000 --start-length 16 --heads 2 2
 """
 
 from __future__ import annotations
@@ -42,11 +49,12 @@ from kvevict.tokens.tasks import TASKS, VOCAB_SIZE, make_items, min_length, trai
 OUT = Path(__file__).resolve().parents[1] / "kvevict" / "data" / "judge"
 
 
-def judge_config():
+def judge_config(heads: int = 4, kv_heads: int = 2):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=384,
-                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=4, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads,
                        max_position_embeddings=2048, rope_theta=10000.0,
                        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                        pad_token_id=0, attn_implementation="sdpa")
@@ -87,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the curriculum's starting longest context in tokens (default 64; a "
                          "context is never shorter than its records, so 16 starts with almost "
                          "no filler), unless resumed")
+    ap.add_argument("--heads", type=int, nargs=2, default=(4, 2), metavar=("Q", "KV"),
+                    help="query and key-value heads of the 128-wide model (default 4 2, the "
+                         "shipped judge's: head dim 32); 2 2 (head dim 64) trains from "
+                         "scratch in 51 min on 2 threads with --start-length 16 "
+                         "(docs/tokens.md, benchmarks/results/judge_heads2/)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target", type=float, default=0.95)
@@ -106,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    model = (LlamaForCausalLM(judge_config()) if args.resume is None
+    model = (LlamaForCausalLM(judge_config(*args.heads)) if args.resume is None
              else LlamaForCausalLM.from_pretrained(args.resume))
     previous = ({} if args.resume is None else
                 json.loads((args.resume / "MANIFEST.json").read_text()))
