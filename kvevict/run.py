@@ -431,11 +431,16 @@ class SimResult:
         up: the queue grew through the run. An infinite pool that never reaches its limit
         gives ρ (tested). Without ``load_seconds`` (the engine), the busy seconds per second
         of arrivals."""
-        if self.arrival_span <= 0:
-            return 0.0
-        if self.load_seconds is None or requests < 1:
-            return round(self.busy_seconds / self.arrival_span, 6)
+        if self.load_seconds is None or requests < 1 or self.arrival_span <= 0:
+            return self.busy_load
         return round(self.load_seconds * (requests - 1) / requests / self.arrival_span, 6)
+
+    @property
+    def busy_load(self) -> float:
+        """Busy seconds per second of arrivals (0 without an arrival span): about 1 whenever
+        something always runs, at any load (a decode step costs about the same at any batch),
+        so not a load."""
+        return round(self.busy_seconds / self.arrival_span, 6) if self.arrival_span > 0 else 0.0
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers (JSON-ready, rounded for stable output).
@@ -475,10 +480,7 @@ class SimResult:
             "requests_per_s": round(n / self.makespan, 6) if self.makespan > 0
             else 0.0,
             "measured_load": self.measured_load(n),
-            # busy seconds per second of arrivals: about 1 whenever something always runs, at
-            # any load (a decode step costs about the same at any batch), so not a load
-            "busy_load": round(self.busy_seconds / self.arrival_span, 6)
-            if self.arrival_span > 0 else 0.0,
+            "busy_load": self.busy_load,
             "limit_batch": None if self.limit_batch is None else round(self.limit_batch, 3),
             "evictions": stats["evictions"],
             "evictions_by_class": dict(sorted(stats["evictions_by_class"].items())),
