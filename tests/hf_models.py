@@ -43,8 +43,9 @@ def build(kind: str = "llama", **overrides):
 
 
 def judge_shaped(vocab_size: int):
-    """A seeded random model of the judge's shape, smaller (2 layers, 4 query and 2 kv heads,
-    eager attention), with the tasks' special tokens (pad 0, BOS 1, EOS 2)."""
+    """A seeded random Llama like a smaller judge (2 layers, hidden 64, eager attention), with
+    the tasks' special tokens (pad 0, BOS 1, EOS 2). It has 4 query and 2 kv heads: grouped-query
+    attention, which the shipped judge (2 and 2) does not exercise."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -44,17 +44,17 @@ def test_simulate_example_runs_and_belady_bounds_the_hit_ratio():
 
 
 def test_token_eviction_example_on_the_shipped_judge(capsys):
-    """examples/token_eviction.py on 4 questions per task: the full cache and both learned
-    policies answer every one at 15% of the context, StreamingLLM almost none; LKV-H answers
-    the needle the same way in generate() and in the engine."""
+    """examples/token_eviction.py on 4 questions per task: both learned policies at 15% of the
+    context answer what the full cache answers (all but one vartrack question), StreamingLLM
+    none; LKV-H answers the needle the same way in generate() and in the engine."""
     pytest.importorskip("transformers")
     module = runpy.run_path(str(EXAMPLES / "token_eviction.py"))
     table = module["main"](items=4)
     assert table == {
-        "full cache": {"recall": 1.0, "needle": 1.0, "vartrack": 1.0},
-        "streamingllm": {"recall": 0.0, "needle": 0.25, "vartrack": 0.0},
-        "lkv_t": {"recall": 1.0, "needle": 1.0, "vartrack": 1.0},
-        "lkv_h": {"recall": 1.0, "needle": 1.0, "vartrack": 1.0},
+        "full cache": {"recall": 1.0, "needle": 1.0, "vartrack": 0.75},
+        "streamingllm": {"recall": 0.0, "needle": 0.0, "vartrack": 0.0},
+        "lkv_t": {"recall": 1.0, "needle": 1.0, "vartrack": 0.75},
+        "lkv_h": {"recall": 1.0, "needle": 1.0, "vartrack": 0.75},
     }
     out = capsys.readouterr().out
     assert ("needle, lkv_h keeping 154 tokens: expected [403, 321, 347, 2], generate() "

@@ -1,5 +1,5 @@
 """`RoutedCache` (MoE-nD's per-layer eviction + quantization) and its calibration, on a seeded
-random model of the judge's shape."""
+random judge-like model (smaller, grouped-query)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`kvevict.judge` on a seeded random model of the judge's shape: loading with the checksum,
+"""`kvevict.judge` on a seeded random judge-like model, smaller: loading with the checksum,
 identity at a budget that holds the whole sequence, the traces and the gated forward."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ POLICIES = ("streamingllm", "knorm", "h2o", "snapkv", "tova", "ema", "lkv_t", "k
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """A random model of the judge's shape saved as the judge is (weights + manifest)."""
+    """A random judge-like model saved as the judge is (weights + manifest)."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

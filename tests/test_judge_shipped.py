@@ -21,11 +21,21 @@ def judge():
 
 
 def test_the_manifest_records_how_the_judge_was_made_and_what_it_scores():
+    """One run from scratch, under an hour on 2 threads (issue 16's "about an hour on 2
+    cores"), every task's held-out exact match at least 90%; two heads of 64, a few MB."""
     manifest = json.loads((JUDGE_DIR / "MANIFEST.json").read_text())
     assert manifest["seed"] == 0 and manifest["held_out_items"] == 256
+    assert manifest["held_out_exact_match"] == {"recall": 0.99609375, "needle": 0.99609375,
+                                               "vartrack": 0.98046875}
     assert all(manifest["held_out_exact_match"][t] >= 0.9 for t in TASKS)
     assert manifest["curriculum"] == {"scale": 1.0, "top": 1280}
+    assert len(manifest["history"]) == 1 and "--resume" not in manifest["command"]
+    assert "--heads 2 2" in manifest["command"] and manifest["threads"] == 2
     assert sum(h["wall_seconds"] for h in manifest["history"]) == manifest["total_wall_seconds"]
+    assert manifest["total_wall_seconds"] == 3049 < 3600
+    config = json.loads((JUDGE_DIR / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (2, 2)
+    assert (config["head_dim"], config["num_hidden_layers"]) == (64, 4)
     assert (JUDGE_DIR / "model.safetensors").stat().st_size < 8 * 2**20  # a few MB
 
 
@@ -38,14 +48,14 @@ def test_golden_full_cache_and_streamingllm_accuracy(judge):
         items = make_items(task, 16, length=1024, seed=0)
         full[task] = judge_accuracy(judge, items, None)
         stream[task] = judge_accuracy(judge, items, "streamingllm", fraction=0.15)
-    assert full == {"recall": 1.0, "needle": 0.9375, "vartrack": 0.9375}
-    assert stream == {"recall": 0.0625, "needle": 0.1875, "vartrack": 0.0}
+    assert full == {"recall": 1.0, "needle": 1.0, "vartrack": 0.9375}
+    assert stream == {"recall": 0.0625, "needle": 0.0, "vartrack": 0.0}
 
 
 def test_golden_learned_accuracy_at_15_percent(judge):
     """The shipped LKV-T and KVP at 15% of the context, through the production path (the
     docs' grid, evaluation seed 0): LKV-T keeps the full cache's answers on every task; KVP
-    learned the needle only."""
+    keeps recall and vartrack but loses the needle."""
     from kvevict.tokens import ScorerShape
 
     got = {}
@@ -55,8 +65,8 @@ def test_golden_learned_accuracy_at_15_percent(judge):
                                           scorer=JUDGE_DIR / f"{name}.safetensors",
                                           shape=ScorerShape.of(judge))
                      for task in TASKS}
-    assert got["lkv_t"] == {"recall": 1.0, "needle": 0.9375, "vartrack": 0.9375}
-    assert got["kvp"] == {"recall": 0.375, "needle": 0.9375, "vartrack": 0.0}
+    assert got["lkv_t"] == {"recall": 1.0, "needle": 1.0, "vartrack": 0.9375}
+    assert got["kvp"] == {"recall": 1.0, "needle": 0.0625, "vartrack": 0.9375}
 
 
 def test_the_learned_token_policies_parameters_load_for_the_judge(judge):
@@ -83,12 +93,13 @@ def test_the_learned_token_policies_parameters_load_for_the_judge(judge):
     assert int(counts.sum()) == round(0.15 * 1024 * 4 * 2)
 
 
-@pytest.mark.parametrize("name", ["lkv_t", "kvp"])
-def test_the_shipped_learned_parameters_make_the_same_choices_in_hf_and_the_engine(judge, name):
+@pytest.mark.parametrize(("name", "task"), [("lkv_t", "needle"), ("kvp", "recall")])
+def test_the_shipped_learned_parameters_make_the_same_choices_in_hf_and_the_engine(judge, name,
+                                                                                  task):
     """The trained files, loaded by name in both: the built-in engine (the judge converted by
     `from_hf`, the whole prompt prefilled in one chunk) and `PagedCache` in ``generate()`` keep
     the same positions in every layer and generate the same greedy tokens, at 15% of a
-    1,024-token context."""
+    1,024-token context (a task each policy answers: KVP loses the needle)."""
     from kvevict.adapters.hf import PagedCache
     from kvevict.engine import run_engine
     from kvevict.engine.hf import from_hf
@@ -96,7 +107,7 @@ def test_the_shipped_learned_parameters_make_the_same_choices_in_hf_and_the_engi
     from kvevict.tokens import ScorerShape, make_token_policy
     from kvevict.types import Request
 
-    item = make_items("needle", 1, length=1024, seed=0)[0]
+    item = make_items(task, 1, length=1024, seed=0)[0]
     ids = torch.tensor(item.prompt)
     budget, new = 154, len(item.answer)
     path = JUDGE_DIR / f"{name}.safetensors"
@@ -114,25 +125,3 @@ def test_the_shipped_learned_parameters_make_the_same_choices_in_hf_and_the_engi
     assert [list(p) for p in result.token_positions["a"]] == want_positions
     assert list(result.answers["a"]) == want_tokens == list(item.answer)  # and it is right
     assert len(want_positions) == 4 and all(len(p) == budget for p in want_positions)
-
-
-def test_the_one_hour_recipe_run_trained_from_scratch_within_the_hour():
-    """benchmarks/results/judge_heads2: the run docs/tokens.md reports for the recipe with two
-    heads of 64 (not the shipped judge yet): one run from scratch, under an hour on 2 threads,
-    every task's held-out exact match at least 90%; its weights load (digest checked) and the
-    full cache answers the golden items through the production path."""
-    from pathlib import Path
-
-    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "judge_heads2"
-    manifest = json.loads((folder / "MANIFEST.json").read_text())
-    assert len(manifest["history"]) == 1 and "--resume" not in manifest["command"]
-    assert "--heads 2 2" in manifest["command"] and manifest["threads"] == 2
-    assert manifest["total_wall_seconds"] == 3049 < 3600
-    assert manifest["held_out_items"] == 256
-    assert manifest["held_out_exact_match"] == {"recall": 0.99609375, "needle": 0.99609375,
-                                               "vartrack": 0.98046875}
-    model = load_judge(folder)
-    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (2, 2)
-    full = {task: judge_accuracy(model, make_items(task, 16, length=1024, seed=0), None)
-            for task in TASKS}
-    assert full == {"recall": 1.0, "needle": 1.0, "vartrack": 0.9375}
