@@ -419,7 +419,7 @@ def from_hf_config(config: Any, dtype: torch.dtype | str | None = None) -> KVLay
       ``new_decoder_architecture`` its ``num_kv_heads`` is used. KV heads equal to query heads
       is ``"mha"``, a single KV head (with several query heads) is ``"mqa"``, else ``"gqa"``.
 
-    ``dtype``: the argument if given, else the config's ``torch_dtype`` or ``dtype`` (string or
+    ``dtype``: the argument if given, else the config's ``dtype`` or ``torch_dtype`` (string or
     torch.dtype), else float16. ``name``: ``name_or_path``, ``_name_or_path`` or ``model_type``.
 
     Raises:
@@ -440,10 +440,10 @@ def from_hf_config(config: Any, dtype: torch.dtype | str | None = None) -> KVLay
     def optional_count(field_name: str) -> int | None:
         return None if get(field_name) is None else count(field_name)
 
-    if dtype is None:
-        dtype = get("torch_dtype")
+    if dtype is None:  # ``dtype`` first: transformers 5 warns on reading ``torch_dtype``
+        dtype = get("dtype")
         if dtype is None:
-            dtype = get("dtype")
+            dtype = get("torch_dtype")
         if dtype is None:
             dtype = torch.float16
     name = next(
