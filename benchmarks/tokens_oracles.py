@@ -12,9 +12,10 @@ Both see what no deployed policy sees, and both run through the judge's protocol
 - ``records``: every token that is not filler (the task's records, ``BOS``, the task mark),
   then the most recent ones: what a reader of the task would keep.
 
-Prints exact match per task and fraction. Measured (16 items, seed 0): future attention
-100 / 93.8 / 93.8% at both 15% and 10%, the full cache's accuracy; records 18.8 / 25.0 / 0% at
-15%. The judge's answers need particular filler tokens, which only its attention tells.
+Prints exact match per task and fraction. Measured on the shipped judge (16 items, seed 0):
+future attention 100 / 100 / 93.8% at both 15% and 10%, the full cache's accuracy; records
+100 / 25.0 / 87.5% at 15% and 93.8 / 6.2 / 81.2% at 10%. The needle's lookup needs particular
+filler tokens, which only the judge's attention tells.
 """
 
 from __future__ import annotations

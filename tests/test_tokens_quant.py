@@ -24,7 +24,7 @@ from kvevict.tokens.quant import (
 torch.set_num_threads(1)
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn)
-#: The judge model's attention (4 layers, 2 kv heads, head_dim 32, float32).
+#: The first judge's shape (4 query heads of 32); the shipped judge has 2 of 64.
 JUDGE = KVLayout.gqa(4, 4, 2, 32, "float32")
 
 

@@ -22,6 +22,7 @@ from kvevict.tokens.solver import (
     uniform,
 )
 
+#: The first judge's shape (4 query heads of 32); the shipped judge has 2 of 64.
 JUDGE = KVLayout.gqa(4, 4, 2, 32, "float32")
 
 FULL = Tuple(1.0, None, None)

@@ -31,7 +31,8 @@ __all__ = ["KVScorer", "LearnedTokenPolicy", "ScorerShape", "distill_scorer", "l
 
 #: Newest tokens a learned policy always keeps (the question and the answer being generated,
 #: which the scorer never saw in training). Chosen among 4, 8, 16 and 32 on validation items of
-#: the judge (seed 5, disjoint from the training items and from the evaluation seeds 0-2).
+#: the judge (seed 5, disjoint from the training items and from the evaluation seeds 0-2;
+#: ``benchmarks/tokens_n_recent.py``).
 N_RECENT = 8
 
 

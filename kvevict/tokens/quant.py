@@ -434,10 +434,10 @@ def kv_bytes(layout: KVLayout | tuple[int, int, torch.dtype | str], tokens: int,
 
     Each plane is ``[batch, num_kv_heads, tokens, head_dim]``, counted by `plane_bytes`, so the
     total equals ``quantize(k, ...).nbytes + quantize(v, ...).nbytes`` for those tensors. The
-    judge model (float32, 2 kv heads, head_dim 32) at 1000 tokens: 512000 bytes unquantized,
-    ``kv_bytes(layout, 1000, 4, 4, group_size=None)`` = 32000 + 256 (keys: one group per channel
-    per head, 2 * 32 groups) + 32000 + 8000 (values: one group per token per head, 2000
-    groups) = 72256.
+    judge model (float32, 2 kv heads, head_dim 64) at 1000 tokens: 1024000 bytes unquantized,
+    ``kv_bytes(layout, 1000, 4, 4, group_size=None)`` = 64000 + 512 (keys: one group per channel
+    per head, 2 * 64 groups) + 64000 + 8000 (values: one group per token per head, 2000
+    groups) = 136512.
 
     Raises:
         ConfigError: an MLA layout (one latent plane, no separate K and V), bad bits, axis or
