@@ -35,8 +35,11 @@ fidelity is a measured number with its spread:
    interval, and whether it is within 10%; the decision against LRU by the paired rule of
    ``kvevict simulate`` (`kvevict.report.choose_policy`: a policy is named only when its
    advantage lies beyond the interval of the paired per-replicate difference), on the
-   *measured* load (the unbounded runs' busy time over the arrival span: ρ ≥ 1 means the
-   engine could not keep up, and the decision is then not made on latency); whether every
+   *measured* load (each compared run's own work per second of arrivals, priced by the
+   calibrated cost model at the engine's measured speed, `kvevict.run.SimResult.measured_load`:
+   ρ ≥ 1 means the engine could not keep up, and the decision is then not made on latency;
+   the busy time over the arrival span is about 1 whenever the engine is never idle, at any
+   load, so it is not the load); whether every
    run's answers equal its seed's first unbounded run's (`compare_answers`).
 
 **Tiers** (``host_bytes``, ``disk_dir``: ``kvevict engine-bench --host-gib X --disk-dir D``).
@@ -83,6 +86,7 @@ from kvevict.engine.driver import (
 from kvevict.engine.model import LlamaModel
 from kvevict.engine.tiers import LinkFit, engine_tiers, measure_link
 from kvevict.errors import ConfigError
+from kvevict.policies.registry import is_offline
 from kvevict.report import Choice, choose_policy, explain_choice
 from kvevict.run import infinite_cache_hits
 from kvevict.scheduler import SchedulerConfig
@@ -599,13 +603,20 @@ def run_bench(requests: Sequence[Request] | Mapping[Any, Sequence[Request]], mod
     rows = fidelity(measured, predicted, confidence=confidence)
 
     spans = {s: (w[-1].arrival - w[0].arrival) / time_scale for s, w in workloads.items()}
-    loads = [r["measured"]["engine"]["busy_s"] / spans[r["seed"]]
-             for r in runs if r["policy"] == REFERENCE and spans[r["seed"]] > 0]
+    # the load each compared run put on the engine (`SimResult.measured_load`: its own work,
+    # priced by the calibrated cost model and rescaled to the engine's measured speed, per
+    # second of arrivals); the worst run decides, as in `kvevict simulate`
+    loads = [r["measured"]["measured_load"] for r in runs
+             if r["policy"] != REFERENCE and not is_offline(r["policy"])]
     rho = max(loads) if loads else 0.0
     load = {"rho": round(rho, 4), "stable": rho < 1,
             "rho_by_run": [round(x, 4) for x in loads],
-            "source": "measured: the unbounded runs' busy engine seconds over the arrival "
-                      "span in engine seconds (the largest run counts)"}
+            "busy_by_run": [round(r["measured"]["busy_load"], 4) for r in runs
+                            if r["policy"] != REFERENCE and not is_offline(r["policy"])],
+            "source": "measured: each compared run's own work per second of arrivals (its "
+                      "steps priced by the calibrated cost model, each decode step's shared "
+                      "part split at the batch run at the box's limit, rescaled to the "
+                      "engine's measured seconds); the largest run counts"}
     choice = choose_policy([c for c in cells if c["policy"] != REFERENCE], load=load,
                            capacity_blocks=capacity_blocks, confidence=confidence,
                            replicate=unit)
@@ -892,8 +903,9 @@ def format_report(result: dict[str, Any], workload: str) -> str:
                  f"{cache['bytes'] / MIB:.1f} MiB ({'auto: ' if cache['auto'] else ''}"
                  f"{cache['note']}); unbounded reference {cache['unbounded_blocks']:,} blocks")
     load = result["load"]
-    lines.append(f"measured load: ρ = {load['rho']:.2f} (the unbounded runs' busy time over "
-                 f"the arrival span, largest of {len(load['rho_by_run'])})"
+    lines.append(f"measured load: ρ = {load['rho']:.2f} (each compared run's own work per "
+                 f"second of arrivals at the engine's measured speed, largest of "
+                 f"{len(load['rho_by_run'])} runs)"
                  + ("" if load["stable"] else ": the engine could not keep up, the queue "
                     "grew and the latencies are not steady state"))
     lines.append(f"runs: {_replicate_text(result)}; repeats interleaved, every policy once "

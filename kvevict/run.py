@@ -121,6 +121,11 @@ class CostModelExecutor(Executor):
         prefill, decode = self.step_parts(plan)
         return prefill + decode
 
+    @property
+    def work_meter(self) -> CostModelExecutor:
+        """Itself: it prices every step it runs."""
+        return self
+
     def execute(self, plan: StepPlan, manager: KVCacheManager) -> StepOutput:
         prefill, decode = self.step_parts(plan)
         self.prefill_work += prefill
@@ -389,8 +394,9 @@ class SimResult:
     busy_seconds: float = 0.0
     arrival_span: float = 0.0
     #: the work of the steps run with each decode step's shared part priced at
-    #: ``limit_batch`` sequences (`RunCollector.result`); None when the executor does not
-    #: price its steps with a cost model (the engine's run)
+    #: ``limit_batch`` sequences (`RunCollector.result`; an engine run's is rescaled to its
+    #: measured speed); None when nothing priced the steps (an engine run without a cost
+    #: model)
     load_seconds: float | None = None
     #: the mean decode batch of the steps run at the box's limit (`Scheduler.limit_steps`),
     #: or ``max_num_seqs`` when the run never reached it
@@ -429,8 +435,8 @@ class SimResult:
         part priced at the batch the box ran when it was full (`limit_batch`), not at
         ``max_num_seqs`` when memory held the batch below it. At >= 1 the box could not keep
         up: the queue grew through the run. An infinite pool that never reaches its limit
-        gives ρ (tested). Without ``load_seconds`` (the engine), the busy seconds per second
-        of arrivals."""
+        gives ρ (tested). Without ``load_seconds`` (an engine run without a cost model), the
+        busy seconds per second of arrivals."""
         if self.load_seconds is None or requests < 1 or self.arrival_span <= 0:
             return self.busy_load
         return round(self.load_seconds * (requests - 1) / requests / self.arrival_span, 6)
@@ -1028,15 +1034,16 @@ class RunCollector:
 
 
 def _load(scheduler: Scheduler) -> dict[str, float]:
-    """`SimResult.load_seconds` and `SimResult.limit_batch` of a run whose executor prices its
-    steps (`CostModelExecutor`); nothing otherwise."""
-    executor = scheduler.executor
-    if not isinstance(executor, CostModelExecutor):
+    """`SimResult.load_seconds` and `SimResult.limit_batch` of a run whose steps were priced
+    (the executor's `Executor.work_meter`: the simulator's `CostModelExecutor`, or the
+    engine's pricer when it has a cost model), in the meter's seconds; nothing otherwise."""
+    meter = scheduler.executor.work_meter
+    if meter is None:
         return {}
     batch = (scheduler.limit_decodes / scheduler.limit_steps if scheduler.limit_steps
              else float(scheduler.config.max_num_seqs))
-    return {"load_seconds": executor.prefill_work + executor.decode_work
-            + executor.decode_tokens * executor.cost.decode_step_s / batch,
+    return {"load_seconds": meter.prefill_work + meter.decode_work
+            + meter.decode_tokens * meter.cost.decode_step_s / batch,
             "limit_batch": batch}
 
 

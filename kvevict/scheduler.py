@@ -289,6 +289,13 @@ class Executor(abc.ABC):
     def idle_until(self, t: float) -> None:
         """Nothing can run before clock time ``t`` (the next arrival or retry)."""
 
+    @property
+    def work_meter(self) -> Any:
+        """The `kvevict.run.CostModelExecutor` that priced every step this executor ran, part
+        by part (``prefill_work``, ``decode_work``, ``decode_tokens``: a run's measured load,
+        `kvevict.run.SimResult.measured_load`), or None when nothing priced them."""
+        return None
+
 
 class Scheduler:
     """Continuous batching: `add` requests, then `step` until `has_work` is False.

@@ -253,8 +253,12 @@ def test_engine_bench_cli_structure(tmp_path, capsys):
     assert [c["policy"] for c in decision["comparisons"]] == ["market"]
     assert set(decision["comparisons"][0]["difference"]) == INTERVAL_KEYS
     assert decision["comparisons"][0]["difference"]["n"] == 2
-    load = data["load"]
-    assert len(load["rho_by_run"]) == 2 and load["rho"] == max(load["rho_by_run"]) > 0
+    load = data["load"]  # lru and market, 2 repeats each (not the unbounded reference)
+    runs = {(r["policy"], r["repeat"]): r["measured"] for r in data["runs"]}
+    compared = [runs[(p, k)] for p in ("lru", "market") for k in (0, 1)]
+    assert load["rho_by_run"] == [round(m["measured_load"], 4) for m in compared]
+    assert load["busy_by_run"] == [round(m["busy_load"], 4) for m in compared]
+    assert load["rho"] == max(load["rho_by_run"]) > 0
     assert load["stable"] is (load["rho"] < 1)
     answers = json.loads((out / "answers.json").read_text())
     assert set(answers) == {"0"} and set(answers["0"]) == {"unbounded", "lru", "market"}

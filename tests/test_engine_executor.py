@@ -304,3 +304,38 @@ def test_engine_runs_on_cuda_and_reports_torch_memory():
                      capacity_blocks=smallest_pool(requests), block_size=BLOCK,
                      time_scale=20.0, config=CONFIG)
     assert compare_answers(cpu, result).lossless
+
+
+# -- the measured load: the engine's own work at its measured speed ------------------------------
+
+
+def test_the_engine_measured_load_is_its_priced_work_at_its_measured_speed(model):
+    """Serial traffic on an unbounded pool: the engine runs the simulator's plans, so its
+    pricer (the cost model it is given) prices the simulator's work, and its measured load is
+    that work rescaled to the engine's measured speed (busy over priced seconds of the same
+    steps), per second of arrivals, in engine seconds at any time scale. ``busy_load`` is the
+    busy time over that span (it used to divide engine seconds by workload seconds)."""
+    from kvevict.sim import simulate
+
+    cost = CostModel(decode_step_s=0.02, decode_s_per_seq=1e-4,
+                     decode_s_per_context_token=1e-7, linear_s_per_token=1e-4,
+                     attn_s_per_pair=1e-8)
+    reqs = [Request(f"r{i}", tokens=[i % 3 * 20 + k for k in range(20)] + [60 + i % 4] * 8,
+                    output_len=5, arrival=10.0 * i) for i in range(8)]
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4)
+    sim = simulate(reqs, "lru", capacity_blocks=200, block_size=BLOCK, cost=cost, config=cfg)
+    assert sim.limit_batch == 4.0 and sim.load_seconds > 0
+    for scale in (1.0, 4.0):
+        eng = run_engine(reqs, model, "lru", capacity_blocks=200, block_size=BLOCK,
+                         time_scale=scale, config=cfg, cost=cost, timer=fake_timer(0.05))
+        summary, engine = eng.summary(), eng.engine
+        speed = engine["busy_s"] / engine["predicted_busy_s"]
+        span = (reqs[-1].arrival - reqs[0].arrival) / scale  # engine seconds
+        assert summary["limit_batch"] == 4.0
+        # the simulator's work, in engine seconds, at the engine's speed
+        assert eng.sim.load_seconds == pytest.approx(sim.load_seconds / scale * speed,
+                                                     rel=1e-5)
+        assert summary["measured_load"] == pytest.approx(
+            eng.sim.load_seconds * (len(reqs) - 1) / len(reqs) / span, abs=1e-6)
+        assert summary["busy_load"] == pytest.approx(engine["busy_s"] / span, abs=1e-6)
+        assert speed != pytest.approx(1.0)  # the fake timer's steps are not the priced ones

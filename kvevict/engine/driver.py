@@ -225,12 +225,32 @@ def _phase(recs: SequenceABC[RequestRecord]) -> dict[str, Any]:
 
 
 def in_engine_seconds(result: SimResult, time_scale: float) -> SimResult:
-    """``result`` with every time divided by ``time_scale`` (workload to engine seconds)."""
+    """``result``, every time in workload seconds (a simulated run), with every time divided
+    by ``time_scale`` (workload to engine seconds)."""
     if time_scale == 1.0:
         return result
     f = time_scale
     records = tuple(r.time_divided(f) for r in result.records)
-    return attrs.evolve(result, records=records, makespan=result.makespan / f)
+    return attrs.evolve(result, records=records, makespan=result.makespan / f,
+                        arrival_span=result.arrival_span / f,
+                        busy_seconds=result.busy_seconds / f,
+                        load_seconds=None if result.load_seconds is None
+                        else result.load_seconds / f)
+
+
+def _engine_times(result: SimResult, executor: EngineExecutor) -> SimResult:
+    """The engine run's `SimResult` (collected on the workload clock) in engine seconds: its
+    records and arrival span divided by the time scale, its busy seconds the steps' measured
+    time, and its ``load_seconds`` the work its pricer priced (the cost model the engine was
+    given, in engine seconds; None without one) rescaled to the engine's measured speed
+    (times measured over priced seconds of the same steps). So `SimResult.measured_load` is
+    the engine's own work per second of arrivals, each decode step's shared part split at the
+    batch the box ran when it was full, as for a simulated run, in measured seconds."""
+    priced = result.load_seconds  # the pricer's engine seconds
+    load = (None if priced is None or executor.predicted_seconds <= 0
+            else priced * executor.busy_seconds / executor.predicted_seconds)
+    scaled = in_engine_seconds(result, executor.time_scale)
+    return attrs.evolve(scaled, busy_seconds=executor.busy_seconds, load_seconds=load)
 
 
 def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | Policy = "lru",
@@ -340,7 +360,7 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
                       token_compactions=tokens.compactions, token_dropped=tokens.dropped_tokens,
                       token_freed_blocks=tokens.freed_blocks)
     return EngineResult(
-        sim=in_engine_seconds(sim, executor.time_scale), time_scale=executor.time_scale,
+        sim=_engine_times(sim, executor), time_scale=executor.time_scale,
         answers={k: tuple(v) for k, v in executor.answers.items()},
         margins={k: tuple(v) for k, v in executor.margins.items()},
         top_logits={k: tuple(v) for k, v in executor.top_logits.items()},

@@ -212,6 +212,12 @@ class EngineExecutor(Executor):
         self.stale_items = 0
 
     @property
+    def work_meter(self) -> CostModelExecutor | None:
+        """The pricer of ``predicted_seconds`` (None without ``cost``): it priced every step
+        this executor ran, part by part, in engine seconds (`Executor.work_meter`)."""
+        return self._pricer
+
+    @property
     def uncacheable(self) -> Callable[[Request], bool] | None:
         """The `KVCacheManager`'s ``uncacheable`` predicate this executor needs: the requests
         token eviction may compact (None without a token policy)."""
@@ -257,7 +263,7 @@ class EngineExecutor(Executor):
         seconds = host + (t_end - t_enter)
         self._mark = t_end
         self.steps += 1
-        predicted = 0.0 if self._pricer is None else self._pricer.step_seconds(plan)
+        predicted = 0.0 if self._pricer is None else self._pricer.execute(plan, manager).seconds
         self.predicted_seconds += predicted
         kind = self.by_kind["prefill" if plan.prefills else "decode"]
         kind[0] += 1
