@@ -12,6 +12,12 @@ reported, and KV bytes next to the fraction. Writes ``tokens_accuracy.json`` and
 
 ``--decode`` instead times one decode step of each policy against transformers'
 ``DynamicCache`` on the judge (same process, interleaved repetitions, median ratio).
+
+``--merge`` combines runs over disjoint ``--policies``; with ``--moe``, it also takes
+``benchmarks/routed_vs_uniform.py`` results (one byte budget each) as the rows of ``moe_nd``:
+MoE-nD's routed tuples in `RoutedCache`, at their budget's fraction of the full cache's bytes
+and the bytes the routing holds. They are neither a learned eviction nor a heuristic one (they
+quantize), so the mean table lists them apart from that comparison.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ LEARNED = ("lkv_t", "kvp")
 HEADS = ("ema_heads", "lkv_h")
 #: Every learned method (plotted solid, compared with the best heuristic).
 LEARNED_ALL = (*LEARNED, "lkv_h")
+#: rows from `benchmarks/routed_vs_uniform.py` (``--merge ... --moe``): eviction and
+#: quantization routed per layer, outside the learned-vs-heuristic comparison
+QUANTIZED = ("moe_nd",)
 #: ``moe_nd``'s routing in the decode cost: 15% of the context per layer on average (layers
 #: at 10, 10, 20 and 20%, keys and values at 4 and 8 bits), as in tests/test_tokens_moe_nd_paged.py.
 MOE_DECODE_ROUTING = ((0.1, 4, 4), (0.1, 8, 4), (0.2, 8, 8), (0.2, 4, 8))
@@ -103,6 +112,20 @@ def accuracy_grid(model, seeds, items_per_seed, policies, fractions, log=print) 
     return rows
 
 
+def moe_rows(result: dict) -> list[dict]:
+    """The ``moe_nd`` rows of one `benchmarks/routed_vs_uniform.py` result: per task, the
+    routed tuples' exact match per evaluation seed, at the budget's fraction of the full
+    cache's bytes, with the bytes the routing holds."""
+    rows = []
+    for r in result["rows"]:
+        iv = interval(r["routed"])
+        rows.append({"task": r["task"], "policy": "moe_nd",
+                     "fraction": round(r["budget_bytes"] / r["full_bytes"], 6),
+                     "bytes": r["routed_bytes"], "per_seed": r["routed"],
+                     "mean": iv.mean, "low": iv.low, "high": iv.high})
+    return rows
+
+
 def table(rows, fractions) -> str:
     policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))
     lines = []
@@ -143,7 +166,7 @@ def mean_table(rows, policies, fraction: float = 0.15) -> str:
         iv = interval(m)
         lines.append(f"| {p} | {100 * iv.mean:.1f} ± {100 * (iv.high - iv.mean):.1f} |")
     learned = [p for p in policies if p in LEARNED_ALL]
-    heuristic = [p for p in policies if p not in learned]
+    heuristic = [p for p in policies if p not in learned and p not in QUANTIZED]
     if learned and heuristic:
         best_l = max(learned, key=lambda p: statistics.fmean(means[p]))
         best_h = max(heuristic, key=lambda p: statistics.fmean(means[p]))
@@ -172,8 +195,10 @@ def plot(rows, path: Path) -> None:
             y = [100 * r["mean"] for r in rs]
             err = [[100 * (r["mean"] - r["low"]) for r in rs],
                    [100 * (r["high"] - r["mean"]) for r in rs]]
-            style = "-o" if p in LEARNED_ALL else "--s"
-            ax.errorbar(x, y, yerr=err, fmt=style, ms=4, capsize=2, label=p, alpha=0.85)
+            style = "-o" if p in LEARNED_ALL else ":^" if p in QUANTIZED else "--s"
+            color = {"color": "black"} if p in QUANTIZED else {}  # past the 10-colour cycle
+            ax.errorbar(x, y, yerr=err, fmt=style, ms=4, capsize=2, label=p, alpha=0.85,
+                        **color)
         ax.set_xscale("log")
         ax.set_ylim(-5, 105)  # exact match; an interval past 0 or 100 is cut at the frame
         ax.set_title(task)
@@ -184,7 +209,7 @@ def plot(rows, path: Path) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=(len(labels) + 1) // 2, fontsize=8,
                frameon=False)
     fig.suptitle("Judge accuracy vs KV bytes (mean and 95% CI over evaluation seeds; "
-                 "solid: learned)")
+                 "solid: learned; dotted: quantized)")
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
 
@@ -250,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                     help="combine the tokens_accuracy.json of runs over disjoint --policies "
                          "(e.g. one per core) into --out's JSON, table and PNG, and exit")
+    ap.add_argument("--moe", type=Path, nargs="+", metavar="JSON", default=[],
+                    help="with --merge: routed_vs_uniform.py results (one budget each) as "
+                         "the moe_nd rows")
     args = ap.parse_args(argv)
     if args.merge:
         rows, seen = [], set()
@@ -259,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                 if key not in seen:  # the full cache is in every run
                     seen.add(key)
                     rows.append(r)
+        for path in args.moe:
+            rows += moe_rows(json.loads(path.read_text()))
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "tokens_accuracy.json").write_text(json.dumps(rows, indent=1) + "\n")
         plot(rows, args.out / "tokens_accuracy.png")
