@@ -14,6 +14,9 @@ what a head-paged store would hold (each head its own count).
 ``knorm`` ranking) with the routed and the uniform tuples of ``docs/img/routed_vs_uniform.json``
 (10% of the full cache's bytes, per task) through ``PagedCache``, next to that file's
 `RoutedCache` accuracies, with the bytes a packed store would hold after the context.
+``--routed FILE`` takes another `benchmarks/routed_vs_uniform.py` result (a file with several
+``runs`` takes its first), and ``--inner lkv_t`` (or ``kvp``) ranks the tokens with the
+shipped learned scorer, as ``routed_vs_uniform.py --policy`` does.
 """
 
 from __future__ import annotations
@@ -58,10 +61,17 @@ def held_bytes(model, name: str, budget: int, context: int) -> tuple[int, int]:
             sum(map(sum, counts)) * per_slot)
 
 
-def moe_table(model, seeds: list[int], items: int) -> str:
-    """``moe_nd`` through `PagedCache` with `ROUTED`'s routings, against `RoutedCache`."""
+def moe_table(model, seeds: list[int], items: int, routed: Path = ROUTED,
+              inner: str = "knorm") -> str:
+    """``moe_nd`` through `PagedCache` with ``routed``'s routings (a
+    `benchmarks/routed_vs_uniform.py` result; the first of its ``runs`` when it has several),
+    ranked by ``inner``, against `RoutedCache`."""
     shape = ScorerShape.of(model)
-    rows = json.loads(ROUTED.read_text())["rows"]
+    result = json.loads(routed.read_text())
+    rows = result["runs"][0]["rows"] if "runs" in result else result["rows"]
+    ranking = ({"inner": inner} if inner == "knorm" else
+               {"inner": inner, "shape": shape,
+                "inner_params": {"scorer": JUDGE_DIR / f"{inner}.safetensors"}})
     lines = ["| task | routing | `moe_nd` (PagedCache) | RoutedCache | packed KiB |",
              "|---|---|---|---|---|"]
     for row in rows:
@@ -72,8 +82,8 @@ def moe_table(model, seeds: list[int], items: int) -> str:
                 shape.layers)
             routing = [tuple(t) for t in tuples]
             budget = max(1, round(sum(t[0] for t in routing) / len(routing) * context))
-            acc = [judge_accuracy(model, items_, "moe_nd", budget=budget, routing=routing)
-                   for items_ in sets]
+            acc = [judge_accuracy(model, items_, "moe_nd", budget=budget, routing=routing,
+                                  **ranking) for items_ in sets]
             iv, ref = interval([100 * a for a in acc]), interval([100 * a for a in row[kind]])
             moe = make_token_policy("moe_nd", budget=budget, routing=routing)
             packed = moe.packed_bytes(context, shape.kv_heads, shape.key_dim, model.dtype)
@@ -90,11 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fraction", type=float, default=0.15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--moe", action="store_true", help="moe_nd against RoutedCache instead")
+    ap.add_argument("--routed", type=Path, default=ROUTED,
+                    help="with --moe: the routed_vs_uniform.py result whose routings to run")
+    ap.add_argument("--inner", choices=("knorm", "lkv_t", "kvp"), default="knorm",
+                    help="with --moe: the ranking of moe_nd's kept tokens")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_judge()
     if args.moe:
-        print(moe_table(model, args.seeds, args.items))
+        print(moe_table(model, args.seeds, args.items, args.routed, args.inner))
         return 0
     grid = json.loads(GRID.read_text()) if GRID.is_file() else []
     head_cache = {(r["task"], r["policy"]): r["per_seed"] for r in grid
