@@ -17,18 +17,12 @@ from __future__ import annotations
 import argparse
 
 import torch
+from tokens_accuracy import policy_params  # the shipped parameters, as the docs' grid loads them
 
-from kvevict.judge import JUDGE_DIR, judge_accuracy, load_judge
-from kvevict.tokens import ScorerShape
+from kvevict.judge import judge_accuracy, load_judge
 from kvevict.tokens.tasks import TASKS, make_items
 
 WINDOWS = {"lkv_t": (0, 4, 8, 16, 32), "kvp": (0, 4, 8, 16, 32), "ema_heads": (0, 8, 32)}
-
-
-def params(name: str, shape: ScorerShape) -> dict:
-    if name in ("lkv_t", "kvp"):
-        return {"scorer": JUDGE_DIR / f"{name}.safetensors", "shape": shape}
-    return {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     judge = load_judge()
-    shape = ScorerShape.of(judge)
     sets = {task: make_items(task, args.items, length=1024, seed=args.seed) for task in TASKS}
     print(f"mean exact match over {', '.join(TASKS)} (%), validation seed {args.seed}, "
           f"{args.items} items per task; cells: "
@@ -52,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             means = []
             for fraction in args.fractions:
                 scores = {task: judge_accuracy(judge, items, name, fraction=fraction,
-                                               n_recent=n, **params(name, shape))
+                                               n_recent=n, **policy_params(name, judge))
                           for task, items in sets.items()}
                 print(f"# {name} n_recent={n} {fraction}: {scores}", flush=True)
                 means.append(100 * sum(scores.values()) / len(scores))

@@ -606,13 +606,13 @@ def run_bench(requests: Sequence[Request] | Mapping[Any, Sequence[Request]], mod
     # the load each compared run put on the engine (`SimResult.measured_load`: its own work,
     # priced by the calibrated cost model and rescaled to the engine's measured speed, per
     # second of arrivals); the worst run decides, as in `kvevict simulate`
-    loads = [r["measured"]["measured_load"] for r in runs
-             if r["policy"] != REFERENCE and not is_offline(r["policy"])]
+    compared = [r["measured"] for r in runs
+                if r["policy"] != REFERENCE and not is_offline(r["policy"])]
+    loads = [m["measured_load"] for m in compared]
     rho = max(loads) if loads else 0.0
     load = {"rho": round(rho, 4), "stable": rho < 1,
             "rho_by_run": [round(x, 4) for x in loads],
-            "busy_by_run": [round(r["measured"]["busy_load"], 4) for r in runs
-                            if r["policy"] != REFERENCE and not is_offline(r["policy"])],
+            "busy_by_run": [round(m["busy_load"], 4) for m in compared],
             "source": "measured: each compared run's own work per second of arrivals (its "
                       "steps priced by the calibrated cost model, each decode step's shared "
                       "part split at the batch run at the box's limit, rescaled to the "
