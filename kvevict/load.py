@@ -286,8 +286,10 @@ def _check_span_of(n: int, first: float, last: float) -> float:
 def rate_scaled(requests: Sequence[Request], factor: float) -> list[Request]:
     """The requests with the request rate multiplied by ``factor`` (``--rate-scale X``):
     every inter-arrival time divided by ``factor``, the first arrival kept. ``factor > 1``
-    compresses the trace (more load), ``factor < 1`` stretches it. The order and every other
-    field are kept. `iter_rate_scaled` does the same to a stream.
+    compresses the trace (more load), ``factor < 1`` stretches it. A session's pause before
+    a request (``extra["pause"]``, the think time or tool pause that `kvevict.run.SessionGate`
+    waits after the answer) is divided by ``factor`` too. The order and every other field are
+    kept. `iter_rate_scaled` does the same to a stream.
 
     Raises:
         ConfigError: ``factor`` is not a positive finite number.
@@ -297,7 +299,16 @@ def rate_scaled(requests: Sequence[Request], factor: float) -> list[Request]:
     if not reqs:
         return []
     first = min(r.arrival for r in reqs)
-    return [attrs.evolve(r, arrival=first + (r.arrival - first) / f) for r in reqs]
+    return [_scaled(r, first, f) for r in reqs]
+
+
+def _scaled(r: Request, first: float, f: float) -> Request:
+    """``r`` with its arrival, and its session pause if it has one, scaled by ``1 / f``."""
+    pause = r.extra.get("pause")
+    if pause is None:
+        return attrs.evolve(r, arrival=first + (r.arrival - first) / f)
+    return attrs.evolve(r, arrival=first + (r.arrival - first) / f,
+                        extra={**r.extra, "pause": pause / f})
 
 
 def iter_rate_scaled(requests: Iterable[Request], factor: float) -> Iterator[Request]:
@@ -321,7 +332,7 @@ def _rate_scaled(requests: Iterable[Request], f: float) -> Iterator[Request]:
             raise ConfigError(
                 f"request {r.request_id!r} arrives at {r.arrival!r} s, before the first "
                 f"request's {first!r} s: a rate scale of a stream needs it in arrival order")
-        yield attrs.evolve(r, arrival=first + (r.arrival - first) / f)
+        yield _scaled(r, first, f)
 
 
 def scale_for_load(requests: Iterable[Request], cost: CostModel, block_size: int,

@@ -31,6 +31,7 @@ baseline, not to the run. With ``records=True`` (`RunCollector`, `kvevict.sim.si
 
 from __future__ import annotations
 
+import heapq
 import math
 from array import array
 from collections.abc import Callable, Iterable, Iterator
@@ -48,8 +49,9 @@ from kvevict.scheduler import Executor, RequestState, Scheduler, StepOutput, Ste
 from kvevict.types import ManualClock, Request
 
 __all__ = ["CostModelExecutor", "InfiniteCache", "Link", "RequestRecord", "RunCollector",
-           "RunColumns", "SimResult", "TierTransfers", "chunk_seconds", "collect", "drive",
-           "in_arrival_order", "infinite_cache_hits", "recompute_seconds", "tier_summary"]
+           "RunColumns", "SessionGate", "SimResult", "TierTransfers", "chunk_seconds",
+           "collect", "drive", "in_arrival_order", "infinite_cache_hits", "recompute_seconds",
+           "tier_summary"]
 
 
 def chunk_seconds(cost: CostModel, start: int, end: int, computed: int) -> float:
@@ -406,6 +408,9 @@ class SimResult:
     #: a cache with memory tiers: what moved between them and how busy each link was
     #: (`tier_summary`); None without tiers
     tiers: dict[str, Any] | None = None
+    #: requests a `SessionGate` sent later than their trace arrival, because the answer they
+    #: follow was not there yet (0 in an open-loop run)
+    held_requests: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.records is None and self.columns is None:
@@ -492,6 +497,7 @@ class SimResult:
             "evictions_by_class": dict(sorted(stats["evictions_by_class"].items())),
             "preemptions": self.preemptions,
             "deferrals": totals["deferrals"],
+            "held_requests": self.held_requests,
             "peak_blocks": stats["peak_blocks_used"],
             "resume_lookups": resume_lookups,
             "resume_hit_blocks": resume_hits,
@@ -916,31 +922,152 @@ def in_arrival_order(requests: Iterable[Request]) -> Iterator[Request]:
         yield r
 
 
+class SessionGate:
+    """Closed-loop sessions for `drive`: a request is not sent before the answer it follows.
+
+    A generated trace schedules a session's next request at its parent's arrival plus an
+    *estimate* of the answer time plus the user's think time or the tool's pause
+    (`kvevict.workloads.generators`). When the box is slower than the estimate, for instance
+    behind a queue, that request would arrive before the answer it carries exists: a
+    physically impossible run, which recomputes the answer's tokens and feeds the queue with
+    requests no client could have sent. A multi-turn client waits for the answer (vLLM's
+    ``benchmarks/multi_turn/benchmark_serving_multi_turn.py`` sends a conversation's next turn
+    after its response), and so does this gate: a request whose ``extra["parent"]`` is the
+    previous request of its session (``session_id``) and has not finished is held, and sent
+    at ``max(arrival, parent's finish + pause)``, where ``pause`` is ``extra["pause"]`` (the
+    think time or tool pause after the answer; 0 if absent). A request that arrives after
+    its parent's finish plus its pause is sent at its own arrival, so a trace the box keeps
+    up with runs unchanged. A sent-late request is the same `Request` with the later
+    ``arrival``: its TTFT counts from when it was sent.
+
+    Requests without a parent, a session id, or whose parent is not the session's previous
+    request seen here (it arrived before the trace's window) pass unchanged. Memory: the
+    latest request of each session that another may follow (not marked ``extra["last"]``),
+    until the next one arrives.
+    """
+
+    def __init__(self) -> None:
+        #: session id -> (request id, its state once added, else None): a session's latest
+        #: request while another may follow it (not marked ``extra["last"]``)
+        self.latest: dict[Any, tuple[Any, RequestState | None]] = {}
+        self.waiting: dict[Any, list[Request]] = {}  # parent id -> requests held behind it
+        self.watched: list[RequestState] = []  # added parents that requests wait for
+        self.due: list[tuple[float, int, Request]] = []  # heap: (send time, order, request)
+        self.order = 0
+        self.held = 0  # requests sent later than their arrival
+
+    def arrive(self, request: Request) -> bool:
+        """``request`` has reached its arrival: True when the gate holds it (it is sent later
+        by `pop_due`), False when it is sent now."""
+        sid = request.session_id
+        extra = request.extra
+        if sid is None or "parent" not in extra:  # a trace without session links
+            return False
+        prev = self.latest.pop(sid, None)
+        if not extra.get("last"):
+            self.latest[sid] = (request.request_id, None)
+        parent = extra["parent"]
+        if parent is None or prev is None or prev[0] != parent:
+            return False
+        state = prev[1]
+        if state is None or state.finish_time is None:  # not added yet, or in flight
+            self.waiting.setdefault(parent, []).append(request)
+            if state is not None and len(self.waiting[parent]) == 1:
+                self.watched.append(state)
+            return True
+        return self._send(request, state.finish_time)
+
+    def _send(self, request: Request, finished: float) -> bool:
+        at = finished + float(request.extra.get("pause") or 0.0)
+        if at <= request.arrival:
+            return False
+        heapq.heappush(self.due, (at, self.order, attrs.evolve(request, arrival=at)))
+        self.order += 1
+        self.held += 1
+        return True
+
+    def add(self, state: RequestState) -> None:
+        """``state``'s request has been handed to the scheduler."""
+        rid = state.request_id
+        sid = state.request.session_id
+        if sid is not None and self.latest.get(sid, (None,))[0] == rid:
+            self.latest[sid] = (rid, state)
+        if rid in self.waiting:
+            self.watched.append(state)
+
+    def stepped(self) -> None:
+        """After a step: send what waited for the requests that finished in it."""
+        if not self.watched:
+            return
+        still = []
+        for state in self.watched:
+            if state.finish_time is None:
+                still.append(state)
+                continue
+            for request in self.waiting.pop(state.request_id):
+                if not self._send(request, state.finish_time):
+                    heapq.heappush(self.due, (request.arrival, self.order, request))
+                    self.order += 1
+        self.watched = still
+
+    def next_time(self) -> float | None:
+        """When the earliest held request is sent (None: none is due)."""
+        return self.due[0][0] if self.due else None
+
+    def pop_due(self, now: float) -> Request | None:
+        """The earliest held request sent at or before ``now``, or None."""
+        if self.due and self.due[0][0] <= now:
+            return heapq.heappop(self.due)[2]
+        return None
+
+
 def drive(scheduler: Scheduler, requests: Iterable[Request], clock: ManualClock,
           on_step: Callable[[Scheduler], None] | None = None, *,
-          on_add: Callable[[RequestState], None] | None = None) -> None:
+          on_add: Callable[[RequestState], None] | None = None,
+          sessions: SessionGate | None = None) -> None:
     """Hand each request to ``scheduler`` once ``clock`` reaches its arrival and step until
     every request is finished; when nothing runs, the executor idles until the next arrival.
 
     ``requests`` is any iterable in arrival order (a list, a generator, a trace file's
     reader), consumed lazily, one ahead of the clock (`in_arrival_order`: an arrival
-    earlier than the previous one is a `ConfigError`). ``on_step`` is called after every
+    earlier than the one before it is a `ConfigError`). ``on_step`` is called after every
     step that ran, ``on_add`` with each request's `RequestState` as it is queued.
+    ``sessions``: a `SessionGate` holds each session's request until the answer it follows
+    exists (closed-loop clients); None sends every request at its arrival (open loop).
     """
     executor = scheduler.executor
     stream = in_arrival_order(requests)
     nxt = next(stream, None)
-    while nxt is not None or scheduler.has_work():
-        while nxt is not None and nxt.arrival <= clock.now:
-            state = scheduler.add(nxt)
+    gate = sessions
+    while True:
+        while True:  # everything that has arrived by now, in time order
+            due = gate.next_time() if gate is not None else None
+            if nxt is not None and nxt.arrival <= clock.now and (due is None
+                                                                or nxt.arrival <= due):
+                request, nxt = nxt, next(stream, None)
+                if gate is not None and gate.arrive(request):
+                    continue
+            elif due is not None and due <= clock.now:
+                assert gate is not None
+                request = gate.pop_due(clock.now)
+            else:
+                break
+            state = scheduler.add(request)
+            if gate is not None:
+                gate.add(state)
             if on_add is not None:
                 on_add(state)
-            nxt = next(stream, None)
+        due = gate.next_time() if gate is not None else None
+        upcoming = min((t for t in (nxt.arrival if nxt is not None else None, due)
+                        if t is not None), default=None)
         if not scheduler.has_work():
-            assert nxt is not None
-            executor.idle_until(nxt.arrival)
+            if upcoming is None:
+                break
+            executor.idle_until(upcoming)
             continue
-        scheduler.step(nxt.arrival if nxt is not None else None)
+        scheduler.step(upcoming)
+        if gate is not None:
+            gate.stepped()
         if on_step is not None:
             on_step(scheduler)
 
@@ -1008,8 +1135,9 @@ class RunCollector:
             assert self.columns is not None
             self.columns.add(record)
 
-    def result(self, scheduler: Scheduler, clock: ManualClock, name: str) -> SimResult:
-        """The `SimResult` of the finished run."""
+    def result(self, scheduler: Scheduler, clock: ManualClock, name: str,
+               sessions: SessionGate | None = None) -> SimResult:
+        """The `SimResult` of the finished run (``sessions``: the run's `SessionGate`)."""
         if not self.arrived:
             raise ConfigError("the run had no requests; a simulation needs at least one")
         manager = scheduler.manager
@@ -1030,7 +1158,7 @@ class RunCollector:
             infinite_compute_tokens=self.infinite_compute_tokens,
             busy_seconds=scheduler.busy_seconds,
             arrival_span=self.last_arrival - self.first_arrival, tiers=tiers,
-            **_load(scheduler))
+            held_requests=0 if sessions is None else sessions.held, **_load(scheduler))
 
 
 def _load(scheduler: Scheduler) -> dict[str, float]:
@@ -1048,10 +1176,12 @@ def _load(scheduler: Scheduler) -> dict[str, float]:
 
 
 def collect(scheduler: Scheduler, ordered: SequenceABC[Request], clock: ManualClock,
-            name: str, cost: CostModel | None = None) -> SimResult:
+            name: str, cost: CostModel | None = None,
+            sessions: SessionGate | None = None) -> SimResult:
     """The `SimResult` of a finished `drive` whose scheduler kept its finished requests
     (``Scheduler.finished``; the engine's run), with a `RequestRecord` per request:
-    `RunCollector` over ``ordered`` (the requests, in arrival order) and the finished ones.
+    `RunCollector` over ``ordered`` (the requests in the order they were handed to the
+    scheduler, with the arrivals a `SessionGate` gave them) and the finished ones.
 
     ``cost`` prices the recomputed prefill tokens (`recompute_seconds`) in clock seconds: by
     default the executor's own cost model when it is a `CostModelExecutor`, else the default
@@ -1063,4 +1193,4 @@ def collect(scheduler: Scheduler, ordered: SequenceABC[Request], clock: ManualCl
     hits = {r.request_id: collector.arrive(r) for r in ordered}
     for state in scheduler.finished:
         collector.record(state, hits[state.request_id])
-    return collector.result(scheduler, clock, name)
+    return collector.result(scheduler, clock, name, sessions)

@@ -49,7 +49,14 @@ from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy
 from kvevict.policies.registry import POLICIES, build_policy, is_offline
 from kvevict.pool import BlockPool
-from kvevict.run import CostModelExecutor, RunCollector, SimResult, TierTransfers, drive
+from kvevict.run import (
+    CostModelExecutor,
+    RunCollector,
+    SessionGate,
+    SimResult,
+    TierTransfers,
+    drive,
+)
 from kvevict.scheduler import Scheduler, SchedulerConfig, StepPlan
 from kvevict.tiers import DEMOTE_RULES, TIER_PROFILES, Tier, TierProfile, TierStack, tier_profile
 from kvevict.types import ManualClock, Request
@@ -174,7 +181,8 @@ def simulate(requests: Iterable[Request], policy: str | Policy = "lru", *,
              cost: CostModel | None = None, config: SchedulerConfig | None = None,
              admission: Admission | None = None, timing: bool = True,
              policy_params: dict[str, Any] | None = None,
-             records: bool | None = None, tiers: TierConfig | None = None) -> SimResult:
+             records: bool | None = None, tiers: TierConfig | None = None,
+             closed_loop: bool = True) -> SimResult:
     """Replay ``requests`` and measure.
 
     ``requests``: a list in any order (sorted by arrival here), or any other iterable in
@@ -187,13 +195,17 @@ def simulate(requests: Iterable[Request], policy: str | Policy = "lru", *,
     ``records``: keep a `kvevict.run.RequestRecord` per request in `SimResult.records`
     (memory in proportion to the trace); by default when ``requests`` is a list (held whole
     already), not when it streams. ``tiers``: memory tiers below the pool (see **Memory
-    tiers** in the module docstring; timed runs only).
+    tiers** in the module docstring; timed runs only). ``closed_loop``: a session's request
+    is not sent before the answer it follows exists (`kvevict.run.SessionGate`, timed runs
+    only); False sends every request at its trace arrival (open loop).
     """
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
         raise ConfigError(f"requests must be an iterable of Request objects, got "
                           f"{type(requests).__name__}")
     if records is not None and not isinstance(records, bool):
         raise ConfigError(f"records must be True, False or None, got {records!r}")
+    if not isinstance(closed_loop, bool):
+        raise ConfigError(f"closed_loop must be True or False, got {closed_loop!r}")
     if tiers is not None:
         if not isinstance(tiers, TierConfig):
             raise ConfigError(f"tiers must be a TierConfig or None, got {type(tiers).__name__}")
@@ -254,5 +266,6 @@ def simulate(requests: Iterable[Request], policy: str | Policy = "lru", *,
     transfers = None if tiers is None else TierTransfers(manager, prefetch=tiers.prefetch)
     scheduler = Scheduler(manager, executor, cfg, on_finish=collector.finish,
                           keep_finished=False, transfers=transfers)
-    drive(scheduler, ordered, clock, on_add=collector.admit)
-    return collector.result(scheduler, clock, name)
+    gate = SessionGate() if closed_loop and timing else None
+    drive(scheduler, ordered, clock, on_add=collector.admit, sessions=gate)
+    return collector.result(scheduler, clock, name, gate)

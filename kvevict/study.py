@@ -140,6 +140,9 @@ class Study:
     #: own ``tiers`` replaces them); None: GPU only
     tiers: TierConfig | None = attrs.field(default=None,
                                            validator=lambda _s, _a, v: _check_tiers(v))
+    #: a session's request waits for the answer it follows (`kvevict.run.SessionGate`);
+    #: False: every request at its trace arrival (``--open-loop``)
+    closed_loop: bool = True
 
 
 def _check_tiers(value: Any) -> None:
@@ -217,7 +220,8 @@ def run_cell(study: Study, cell: Cell) -> dict[str, Any]:
                       capacity_blocks=cell.capacity_blocks, layout=study.layout,
                       block_size=study.block_size, cost=study.cost, config=study.config,
                       records=cell.records,
-                      tiers=cell.tiers if cell.tiers is not None else study.tiers)
+                      tiers=cell.tiers if cell.tiers is not None else study.tiers,
+                      closed_loop=study.closed_loop)
     out = result.summary()
     out["seed"] = cell.seed
     if study.admission != "always":  # which cells deferred: the market's, not LRU's

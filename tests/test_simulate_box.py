@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
 from kvevict.cli import main
@@ -131,7 +132,8 @@ def test_seeds_do_not_apply_to_a_trace(capsys):
 
 def test_the_main_job_default_cells_golden():
     """Two cells of the default run (chat-steady, one L4, Llama-3-8B, 32 sequences, seed 0,
-    the box's 2,097 blocks), built as `kvevict simulate` builds them."""
+    the box's 2,097 blocks), built as `kvevict simulate` builds them: closed loop, 239 turns
+    wait for the answer they follow; open loop (``--open-loop``), the earlier numbers."""
     from kvevict.box import Box, gpu_profile, kv_cache_bytes
     from kvevict.layout import preset
     from kvevict.scheduler import SchedulerConfig
@@ -146,5 +148,12 @@ def test_the_main_job_default_cells_golden():
     study = Study(Source(workload="chat-steady"), layout, 16, box.cost_model(layout), config)
     lru = run_cell(study, Cell("lru", capacity, 0))
     lfu = run_cell(study, Cell("lfu", capacity, 0))
+    assert (lru["requests"], lru["token_hit_ratio"], lru["ttft_p95"]) == (596, 0.480524, 0.878227)
+    assert (lfu["requests"], lfu["token_hit_ratio"], lfu["ttft_p95"]) == (596, 0.425819, 0.934547)
+    assert lru["held_requests"] == lfu["held_requests"] == 239
+    study = attrs.evolve(study, closed_loop=False)
+    lru = run_cell(study, Cell("lru", capacity, 0))
+    lfu = run_cell(study, Cell("lfu", capacity, 0))
     assert (lru["requests"], lru["token_hit_ratio"], lru["ttft_p95"]) == (596, 0.512721, 0.849045)
     assert (lfu["requests"], lfu["token_hit_ratio"], lfu["ttft_p95"]) == (596, 0.491179, 0.849594)
+    assert lru["held_requests"] == 0

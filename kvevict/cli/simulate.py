@@ -128,6 +128,10 @@ def add_parser(sub: Any) -> None:
     tiers.add_argument("--tier-policy", default=None,
                        help="the tiers' residency policy (default: each cell's own policy; "
                             "LRU for an offline one)")
+    sim.add_argument("--open-loop", action="store_true",
+                     help="send every request at its trace arrival, even before the answer "
+                          "it follows exists (default: a session's next request waits for "
+                          "its answer, then its think time or tool pause)")
     sim.add_argument("--allow-oversubscribe", action="store_true",
                      help="allow a cache larger than the box holds (a what-if study; "
                           "recorded in results.json)")
@@ -397,7 +401,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         box = attrs.evolve(box, host_memory_bytes=tiers.host_blocks * bpb,
                            disk_bytes=tiers.disk_blocks * bpb or None)
     study = Study(source, layout, block_size, cost, config, tuple(args.policy_module),
-                  admission=args.admission, tiers=tiers)
+                  admission=args.admission, tiers=tiers, closed_loop=not args.open_loop)
     load = offered_load(study_requests(study, seeds[0]), cost, block_size,
                         max_batch=config.max_num_seqs)
     load_info = {**load.to_dict(), "rho": load.rho, "stable": load.stable,
@@ -440,6 +444,9 @@ def simulate_command(args: argparse.Namespace) -> int:
     if unstable_message:
         print(f"warning: {unstable_message}; no decision is made on latencies")
     print(f"admission: {admission}")
+    print("sessions: " + ("open loop (every request at its trace arrival)" if args.open_loop
+                          else "closed loop (a session's next request waits for the answer "
+                               "it follows, then its pause)"))
     if tiers_desc:
         print(f"tiers: {tiers_desc}")
 
@@ -500,6 +507,7 @@ def simulate_command(args: argparse.Namespace) -> int:
                 "prefetch": tiers.prefetch, "policy": tiers.policy, "demote": tiers.demote,
                 "description": tiers_desc},
             "load": load_info, "cost_model": cost.to_dict(), "admission": args.admission,
+            "closed_loop": not args.open_loop,
             "scheduler": {"max_num_batched_tokens": config.max_num_batched_tokens,
                           "max_num_seqs": config.max_num_seqs,
                           "preemption": config.preemption},

@@ -45,7 +45,7 @@ from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy
 from kvevict.policies.registry import POLICIES, build_policy, is_offline
 from kvevict.pool import BlockPool
-from kvevict.run import RequestRecord, SimResult, collect, drive
+from kvevict.run import RequestRecord, SessionGate, SimResult, collect, drive
 from kvevict.scheduler import Scheduler, SchedulerConfig
 from kvevict.tiers import TierPricedCost, TierStack
 from kvevict.tokens import TokenPolicy
@@ -262,7 +262,8 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
                tiers: TierStack | None = None,
                token_policy: str | TokenPolicy | None = None,
                token_budget: int | None = None,
-               token_params: dict[str, Any] | None = None) -> EngineResult:
+               token_params: dict[str, Any] | None = None,
+               closed_loop: bool = True) -> EngineResult:
     """Replay ``requests`` through the scheduler, the manager and the real model.
 
     Args:
@@ -284,6 +285,9 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
         check: call ``manager.check()`` after every step and verify the fed tokens (slow).
         on_step: called with the scheduler after every step.
         timer: the step timer (see `EngineExecutor`).
+        closed_loop: a session's request waits for the answer it follows
+            (`kvevict.run.SessionGate`), as in the simulator; False sends every request at
+            its arrival.
         tiers: memory tiers below the pool (see the module docstring), a fresh stack per
             run (a stack serves one pool); its cost model, which decides what is worth
             demoting, is in engine seconds. A named policy that takes a cost model prices
@@ -297,6 +301,8 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
     if not isinstance(model, LlamaModel):
         raise ConfigError(f"model must be a LlamaModel, got {type(model).__name__}")
     check_time_scale(time_scale)
+    if not isinstance(closed_loop, bool):
+        raise ConfigError(f"closed_loop must be True or False, got {closed_loop!r}")
     ordered = _check_requests(requests, model.config.vocab_size)
     if tiers is not None and not isinstance(tiers, TierStack):
         raise ConfigError(f"tiers must be a kvevict.tiers.TierStack, got {type(tiers).__name__}")
@@ -325,8 +331,11 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
         if on_step is not None:
             on_step(s)
 
-    drive(scheduler, ordered, clock, after_step if check or on_step is not None else None)
-    sim = collect(scheduler, ordered, clock, name, cost=cost)  # cost prices recomputes
+    gate = SessionGate() if closed_loop else None
+    sent: list[Request] = []
+    drive(scheduler, ordered, clock, after_step if check or on_step is not None else None,
+          on_add=lambda state: sent.append(state.request), sessions=gate)
+    sim = collect(scheduler, sent, clock, name, cost=cost, sessions=gate)  # cost prices recomputes
     memory: dict[str, Any] = {"peak_pool_blocks": manager.stats.peak_blocks_used,
                               "pool_blocks": capacity_blocks,
                               "peak_pool_bytes": manager.stats.peak_blocks_used

@@ -184,7 +184,7 @@ class _Trace:
     def add(self, request_id: str, segments: list[tuple[np.ndarray, str]], *, session: str,
             workload_class: str, arrival: float, turn: int, output: np.ndarray,
             parent: str | None, last: bool = False, retention: RetentionHint | None = None,
-            **extra: Any) -> bool:
+            pause: float | None = None, **extra: Any) -> bool:
         """Append one request unless it arrives outside the window ``[0, duration)``.
 
         Return False for one at or after ``duration`` (its session ends there), True
@@ -210,6 +210,8 @@ class _Trace:
                 spans.append([pos, pos + n, kind])
             pos += n
         meta: dict[str, Any] = {"kind_spans": spans, "parent": parent, "last": last}
+        if pause is not None:
+            meta["pause"] = round(float(pause), 6)
         meta.update(extra)
         req = Request(
             request_id, tokens=tokens, session_id=session, workload_class=workload_class,
@@ -373,6 +375,7 @@ def _chat_session(tr: _Trace, p: ChatParams, system: np.ndarray, session: str, s
     history: list[tuple[np.ndarray, str]] = [(system, "prompt")]
     t = start
     parent = None
+    pause = None
     turn = 1
     while True:
         user = tr.fresh(tr.lognormal_int(p.user_tokens_mean, p.user_tokens_sigma))
@@ -383,13 +386,14 @@ def _chat_session(tr: _Trace, p: ChatParams, system: np.ndarray, session: str, s
         rid = f"{session}-t{turn}"
         if not tr.add(rid, [*history, (user, "prompt")], session=session,
                       workload_class="chat", arrival=t, turn=turn, output=output,
-                      parent=parent, last=not go_on, **extra):
+                      parent=parent, last=not go_on, pause=pause, **extra):
             return math.inf
         done = t + len(output) * p.decode_seconds_per_token
         if not go_on:
             return done
         history += [(user, "prompt"), (output, "output")]
-        t = done + float(tr.rng.lognormal(math.log(p.think_time_median), p.think_time_sigma))
+        pause = float(tr.rng.lognormal(math.log(p.think_time_median), p.think_time_sigma))
+        t = done + pause
         parent = rid
         turn += 1
 
@@ -438,7 +442,7 @@ class AgentParams(WorkloadParams):
             steps = min(self.max_steps, int(rng.geometric(1.0 / self.mean_steps)))
             task = tr.fresh(tr.lognormal_int(self.task_tokens_mean, self.task_tokens_sigma))
             history: list[tuple[np.ndarray, str]] = [(tools, "prompt"), (task, "prompt")]
-            t, parent = start, None
+            t, parent, pause = start, None, None
             for step in range(1, steps + 1):
                 output = tr.fresh(tr.lognormal_int(self.action_tokens_mean,
                                                    self.action_tokens_sigma))
@@ -449,14 +453,15 @@ class AgentParams(WorkloadParams):
                     hint = RetentionHint(1.0, until=round(t, 6) + self.retention_ttl)
                 ok = tr.add(rid, list(history), session=session, workload_class="agent",
                             arrival=t, turn=step, output=output, parent=parent, last=last,
-                            retention=hint)
+                            retention=hint, pause=pause)
                 if not ok or last:
                     break
                 result = tr.fresh(tr.lognormal_int(self.tool_result_tokens_mean,
                                                    self.tool_result_tokens_sigma))
                 history += [(output, "output"), (result, "context")]
-                t += len(output) * self.decode_seconds_per_token + float(
-                    rng.lognormal(math.log(self.tool_pause_median), self.tool_pause_sigma))
+                pause = float(rng.lognormal(math.log(self.tool_pause_median),
+                                            self.tool_pause_sigma))
+                t += len(output) * self.decode_seconds_per_token + pause
                 parent = rid
         return tr.result()
 

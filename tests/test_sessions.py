@@ -1,0 +1,140 @@
+"""Closed-loop sessions (`kvevict.run.SessionGate`): a session's request is not sent before
+the answer it follows exists, then its think time or tool pause."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvevict import workloads
+from kvevict.box import Box, gpu_profile
+from kvevict.cost import CostModel
+from kvevict.errors import ConfigError
+from kvevict.layout import preset
+from kvevict.load import iter_rate_scaled, rate_scaled, scale_for_load
+from kvevict.scheduler import SchedulerConfig
+from kvevict.sim import simulate
+from kvevict.types import Request
+
+
+def turn(rid, arrival, parent=None, pause=None, *, session="s", last=False, tokens=None):
+    extra = {"parent": parent, "last": last}
+    if pause is not None:
+        extra["pause"] = pause
+    return Request(rid, tokens=list(range(32)) if tokens is None else tokens,
+                   session_id=session, arrival=arrival, output_len=len(ANSWER),
+                   output_tokens=ANSWER, extra=extra)
+
+
+ANSWER = list(range(100, 140))  # every turn's 40-token answer
+
+
+def by_id(result):
+    return {r.request_id: r for r in result.records}
+
+
+def test_a_turn_that_arrives_before_its_answer_is_sent_after_it_plus_its_pause():
+    second = list(range(32)) + ANSWER + [7] * 8  # the first turn, its answer, a message
+    reqs = [turn("t1", 0.0), turn("t2", 0.1, "t1", 2.0, tokens=second),
+            turn("x", 0.2, session="o")]
+    closed = simulate(reqs, "lru", capacity_blocks=64, cost=CostModel())
+    rec = by_id(closed)
+    assert rec["t1"].finish > 0.1  # the answer is not there at t2's trace arrival
+    assert rec["t2"].arrival == pytest.approx(rec["t1"].finish + 2.0, abs=1e-12)
+    assert rec["x"].arrival == 0.2  # another session's request is not held
+    assert closed.summary()["held_requests"] == 1
+    # t2 then finds t1's prompt and answer cached (decode caches all but the last sampled
+    # token: 71 tokens, 4 whole blocks); sent at its trace arrival it finds what was decoded
+    assert rec["t2"].cached_tokens == 64
+    opened = by_id(simulate(reqs, "lru", capacity_blocks=64, cost=CostModel(),
+                            closed_loop=False))
+    # open loop: the prompt and the one block of the answer decoded by 0.1 s
+    assert opened["t2"].arrival == 0.1 and opened["t2"].cached_tokens == 48
+    assert simulate(reqs, "lru", capacity_blocks=64, cost=CostModel(),
+                    closed_loop=False).summary()["held_requests"] == 0
+
+
+def test_a_box_that_keeps_up_runs_the_trace_unchanged():
+    reqs = [turn("t1", 0.0), turn("t2", 100.0, "t1", 2.0), turn("t3", 200.0, "t2", 2.0)]
+    result = simulate(reqs, "lru", capacity_blocks=64, cost=CostModel())
+    assert [r.arrival for r in result.records] == [0.0, 100.0, 200.0]
+    assert result.summary()["held_requests"] == 0
+
+
+def test_a_chain_of_held_turns_waits_turn_by_turn():
+    reqs = [turn("t1", 0.0), turn("t2", 0.01, "t1", 0.5), turn("t3", 0.02, "t2", 0.25),
+            turn("t4", 0.03, "t3", last=True)]  # no pause given: sent as the answer ends
+    rec = by_id(simulate(reqs, "lru", capacity_blocks=64, cost=CostModel()))
+    assert rec["t2"].arrival == pytest.approx(rec["t1"].finish + 0.5, abs=1e-12)
+    assert rec["t3"].arrival == pytest.approx(rec["t2"].finish + 0.25, abs=1e-12)
+    assert rec["t4"].arrival == pytest.approx(rec["t3"].finish, abs=1e-12)
+
+
+def test_requests_without_session_links_are_never_held():
+    """A trace without ``extra["parent"]`` (Mooncake's, a user's own requests), or whose
+    parent is not the session's previous request here, runs open loop."""
+    plain = [Request(i, tokens=list(range(32)), session_id="s", arrival=0.01 * i,
+                     output_len=40) for i in range(4)]
+    a = simulate(plain, "lru", capacity_blocks=64, cost=CostModel())
+    assert [r.arrival for r in a.records] == [0.0, 0.01, 0.02, 0.03]
+    orphan = [turn("t5", 0.0, "t4", 3.0), turn("t6", 0.01, "elsewhere", 3.0, session="z")]
+    b = simulate(orphan, "lru", capacity_blocks=64, cost=CostModel())
+    assert [r.arrival for r in b.records] == [0.0, 0.01] and b.held_requests == 0
+
+
+def test_closed_loop_must_be_a_bool():
+    with pytest.raises(ConfigError, match="closed_loop must be True or False"):
+        simulate([turn("t1", 0.0)], "lru", capacity_blocks=64, closed_loop=1)
+
+
+def test_generators_record_the_pause_that_follows_the_estimated_answer():
+    for name, dspt in (("chat", 0.02), ("agent", 0.02)):
+        reqs = workloads.generate(name, seed=3)
+        ids = {r.request_id: r for r in reqs}
+        later = [r for r in reqs if r.extra["parent"] is not None]
+        assert later
+        for r in later:
+            parent = ids[r.extra["parent"]]
+            assert r.extra["pause"] > 0
+            assert r.arrival == pytest.approx(
+                parent.arrival + parent.output_len * dspt + r.extra["pause"], abs=2e-6)
+        assert all("pause" not in r.extra for r in reqs if r.extra["parent"] is None)
+
+
+def test_a_rate_scale_scales_the_pauses_too():
+    reqs = [turn("t1", 10.0), turn("t2", 14.0, "t1", 3.0)]
+    for scaled in (rate_scaled(reqs, 4.0), list(iter_rate_scaled(reqs, 4.0))):
+        assert [r.arrival for r in scaled] == [10.0, 11.0]
+        assert "pause" not in scaled[0].extra and scaled[1].extra["pause"] == 0.75
+    assert reqs[1].extra["pause"] == 3.0  # the input is not changed
+
+
+def agent_study():
+    layout = preset("llama-3-8b")
+    cost = Box(gpu_profile("l4-24gb")).cost_model(layout)
+    config = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=32)
+    reqs = workloads.generate("agent", seed=0)
+    return rate_scaled(reqs, scale_for_load(reqs, cost, 16, 0.7, max_batch=32)), cost, config
+
+
+def test_no_agent_step_is_sent_before_the_answer_it_carries():
+    """The agent workload at ρ 0.7 (its arrivals compressed 6.5x, answer estimates too): open
+    loop, every step arrives before the previous step's answer and recomputes what it could
+    not find (golden numbers, seed 0, LRU, 4,494 blocks); closed loop, each waits."""
+    reqs, cost, config = agent_study()
+    trace = {r.request_id: r for r in reqs}
+    closed = simulate(reqs, "lru", capacity_blocks=4494, cost=cost, config=config)
+    opened = simulate(reqs, "lru", capacity_blocks=4494, cost=cost, config=config,
+                      closed_loop=False)
+    rec = by_id(closed)
+    for r in closed.records:
+        assert r.arrival >= trace[r.request_id].arrival
+        parent = trace[r.request_id].extra["parent"]
+        if parent is not None:
+            pause = trace[r.request_id].extra["pause"]
+            assert r.arrival >= rec[parent].finish + pause - 1e-9
+    early = sum(1 for r in opened.records if trace[r.request_id].extra["parent"] is not None
+                and r.arrival < by_id(opened)[trace[r.request_id].extra["parent"]].finish)
+    assert early == 239
+    assert closed.summary()["held_requests"] == 239
+    assert (opened.summary()["recomputed_prefill_tokens"],
+            closed.summary()["recomputed_prefill_tokens"]) == (34464, 176)
