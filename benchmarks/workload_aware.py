@@ -220,7 +220,8 @@ def _plot(rows: list, png: Path) -> None:
     first = np.atleast_1d(axes)[0]
     first.set_ylabel("recomputed prefill tokens\nvs LRU (%), 95% CI")
     first.legend(fontsize=8, loc="lower left")
-    fig.suptitle("Generated workloads at ρ 0.7 on one L4 (Llama-3-8B), 5 seeds, paired by "
+    fig.suptitle("Generated workloads at offered ρ 0.7, sessions closed loop, on one L4 "
+                 "(Llama-3-8B), 5 seeds, paired by "
                  "seed: below 0 recomputes less than LRU", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
