@@ -275,3 +275,24 @@ def test_scale_does_not_apply_to_a_trace(capsys):
                                   "--format", "mooncake", "--scale", "2"])
     assert "do not apply to --trace" in message
     assert "positive" in user_error(capsys, ["simulate", "--scale", "0", "--no-sweep"])
+
+
+def test_open_loop_sends_every_turn_at_its_trace_arrival(capsys, tmp_path):
+    """Closed loop by default (`SessionGate`): at 6x the rate, all 7 follow-up turns of the
+    trace arrive before the answer they carry, and wait for it; ``--open-loop`` sends them
+    at their (scaled) trace arrivals."""
+    from kvevict.load import rate_scaled
+
+    base = ["simulate", "--workload", "chat", "--duration", "300", "--policies", "lru",
+            "--cache-blocks", "512", "--no-sweep", "--seeds", "1", "--rate-scale", "6",
+            "--quiet"]
+    requests = rate_scaled(generate("chat", seed=0, duration=300), 6.0)
+    followups = sum(1 for r in requests if r.extra["parent"] is not None)
+    assert followups == 7
+    for flags, closed in (([], True), (["--open-loop"], False)):
+        out = tmp_path / str(closed)
+        assert main([*base, *flags, "--out", str(out)]) == 0
+        results = json.loads((out / "results.json").read_text())
+        assert results["closed_loop"] is closed
+        assert results["cells"][0]["held_requests"] == (followups if closed else 0)
+    capsys.readouterr()
