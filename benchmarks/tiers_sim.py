@@ -350,11 +350,11 @@ def plot(out: dict, png: Path) -> None:
         ax.set_xlabel(f"host tier / GPU KV ({w['gpu_blocks']:,} blocks)")
         ax.set_ylabel("p95 TTFT (s), mean ± 95% CI")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{name}: {sizing_label(w)}, ρ {w['rho']:.2f}", fontsize=9)
+        ax.set_title(f"{name}: {sizing_label(w)}, offered ρ {w['rho']:.2f}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"A host KV tier on one L4 (Llama-3-8B, PCIe Gen4 host link), "
-                 f"{len(out['seeds'])} seeds", fontsize=10)
+                 f"sessions closed loop, {len(out['seeds'])} seeds", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
