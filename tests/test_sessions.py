@@ -4,6 +4,8 @@ the answer it follows exists, then its think time or tool pause."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvevict import workloads
 from kvevict.box import Box, gpu_profile
@@ -138,3 +140,55 @@ def test_no_agent_step_is_sent_before_the_answer_it_carries():
     assert closed.summary()["held_requests"] == 239
     assert (opened.summary()["recomputed_prefill_tokens"],
             closed.summary()["recomputed_prefill_tokens"]) == (34464, 176)
+
+
+@st.composite
+def sessions(draw):
+    """Up to 5 sessions of 1-4 requests each: trace arrivals, pauses, prompt and answer
+    lengths drawn; each later request's prompt extends the previous one's prompt and answer
+    (as a chat history does), and some carry no pause."""
+    requests = []
+    for s in range(draw(st.integers(1, 5))):
+        t = draw(st.floats(0, 2))
+        history: list[int] = []
+        parent = None
+        n = draw(st.integers(1, 4))
+        for k in range(n):
+            user = [1000 * s + 100 * k + i for i in range(draw(st.integers(1, 40)))]
+            answer = [50_000 + 1000 * s + 100 * k + i for i in range(draw(st.integers(1, 30)))]
+            pause = draw(st.one_of(st.none(), st.floats(0, 1)))
+            extra = {"parent": parent, "last": k == n - 1}
+            if parent is not None and pause is not None:
+                extra["pause"] = pause
+            rid = f"s{s}-{k}"
+            requests.append(Request(rid, tokens=history + user, session_id=f"s{s}",
+                                    arrival=t, output_len=len(answer), output_tokens=answer,
+                                    extra=extra))
+            history = history + user + answer
+            parent = rid
+            t += draw(st.floats(0, 0.5))
+    return requests
+
+
+@given(sessions(), st.integers(8, 64))
+@settings(max_examples=60, deadline=None)
+def test_every_request_is_sent_at_its_arrival_or_at_its_answer_plus_its_pause(reqs, blocks):
+    """On random sessions and pool sizes, the run (the simulator's production path) sends each
+    request at exactly ``max(trace arrival, parent's last token + pause)``, finishes every
+    request, and counts as held exactly those sent late."""
+    capacity = max(blocks, max(-(-(r.prompt_len + r.output_len) // 16) for r in reqs))
+    result = simulate(reqs, "lru", capacity_blocks=capacity, cost=CostModel())
+    rec = by_id(result)
+    assert len(rec) == len(reqs)
+    late = 0
+    for r in reqs:
+        parent = r.extra["parent"]
+        want = r.arrival
+        if parent is not None:
+            want = max(r.arrival, rec[parent].finish + (r.extra.get("pause") or 0.0))
+        assert rec[r.request_id].arrival == pytest.approx(want, abs=1e-12)
+        late += want > r.arrival
+    assert result.held_requests == late
+    opened = simulate(reqs, "lru", capacity_blocks=capacity, cost=CostModel(),
+                      closed_loop=False)
+    assert sorted(r.arrival for r in opened.records) == sorted(r.arrival for r in reqs)
