@@ -200,11 +200,14 @@ def test_registered_offline_with_defaults():
 def test_from_requests_and_build_policy_with_a_horizon():
     reqs = [_req(0, [1, 2], 0.0), _req(1, [1, 3], 4.0), _req(2, [1, 2], 9.0)]
     oracle = HorizonOracle.from_requests(reqs, time="arrival", horizon=5)
-    assert oracle.horizon == 5 and oracle.belady.next_use(2, 0.0) == 9.0
+    assert oracle.horizon == 5 and oracle.belady.next_use(2, 0.0) == 0.0
+    oracle.on_begin(reqs[0], [], [], 0.0)  # request 0's accesses leave the future
+    assert oracle.belady.next_use(2, 0.0) == 9.0
     built = build_policy("horizon-oracle", {"horizon": 5}, requests=reqs, time_axis="arrival")
     assert isinstance(built, HorizonOracle) and built.horizon == 5
     assert built.num_blocks_known == 3  # the future came from the requests
     default = build_policy("horizon-oracle", requests=reqs, time_axis="index")
+    default.on_begin(reqs[0], [], [], 0.0)
     assert default.horizon == DEFAULT_HORIZON and default.belady.next_use(2, 0.0) == 2.0
     reuse = build_policy("reuse-oracle", requests=reqs)
     assert isinstance(reuse, ReuseOracle) and reuse.num_blocks_known == 3

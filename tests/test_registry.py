@@ -154,13 +154,23 @@ def test_build_policy_unknown_name_and_bad_params():
 
 
 def test_build_policy_gives_an_offline_policy_the_future_on_the_time_axis():
+    """Each request's accesses leave the future when it begins (`Belady.plan`), so the next
+    use is the first planned access of a request that has not begun, at any clock time."""
+
+    def next_uses(policy, block_hash):
+        seen = [policy.next_use(block_hash, 100.0)]  # a clock past every planned time
+        for r in REQS:
+            policy.on_begin(r, [], [], 0.0)
+            seen.append(policy.next_use(block_hash, 0.0))
+        return seen
+
     by_index = build_policy("belady", requests=REQS, block_size=BS)
     assert type(by_index) is Belady and by_index.num_blocks_known == 3
-    assert [by_index.next_use(1, t) for t in (-1, 0, 1, 2)] == [0.0, 1.0, 2.0, float("inf")]
+    assert next_uses(by_index, 1) == [0.0, 1.0, 2.0, float("inf")]
     by_arrival = build_policy("belady", requests=REQS, block_size=BS, time_axis="arrival")
-    assert [by_arrival.next_use(2, t) for t in (0, 0.5, 7.0)] == [0.5, 7.0, float("inf")]
+    assert next_uses(by_arrival, 2) == [0.5, 7.0, 7.0, float("inf")]
     explicit = build_policy("belady", requests=REQS, time_axis=[10.0, 20.0, 30.0])
-    assert explicit.next_use(3, 0) == 20.0
+    assert explicit.next_use(3, 0) == explicit.next_use(3, 25.0) == 20.0
     with pytest.raises(ConfigError, match="time must be one of index, arrival, got 'wall'"):
         build_policy("belady", requests=REQS, time_axis="wall")
 

@@ -192,3 +192,29 @@ def test_every_request_is_sent_at_its_arrival_or_at_its_answer_plus_its_pause(re
     opened = simulate(reqs, "lru", capacity_blocks=capacity, cost=CostModel(),
                       closed_loop=False)
     assert sorted(r.arrival for r in opened.records) == sorted(r.arrival for r in reqs)
+
+
+def test_the_timed_belady_keeps_what_a_held_turn_will_use():
+    """A turn planned at 0.01 s is held until 10 s after its parent's answer. Meanwhile a
+    dead request (d) and a new one (x) need the pool. The oracle, built by name as the
+    simulator builds it, keeps the held turn's history (its future is consumed by the
+    requests that begin, not by the clock) and the turn finds 64 tokens cached; keyed by the
+    clock alone, as before, the overdue turn looks served, and the oracle falls back to LRU."""
+    from kvevict.policies.belady import Belady, future_of, request_times
+
+    second = list(range(32)) + ANSWER + [7] * 8
+    dead = Request("d", tokens=list(range(500, 532)), session_id="d", arrival=2.0,
+                   output_len=1, extra={"parent": None, "last": True})
+    new = Request("x", tokens=list(range(900, 948)), session_id="x", arrival=5.0,
+                  output_len=1, extra={"parent": None, "last": True})
+    held = Request("t2", tokens=second, session_id="s", arrival=0.01, output_len=1,
+                   extra={"parent": "t1", "pause": 10.0, "last": True})
+    reqs = [turn("t1", 0.0), held, dead, new]
+
+    def cached(policy):
+        rec = by_id(simulate(reqs, policy, capacity_blocks=7, cost=CostModel()))
+        assert rec["t2"].arrival == pytest.approx(rec["t1"].finish + 10.0)
+        return rec["t2"].cached_tokens
+
+    by_clock = Belady(future_of(reqs, block_size=16, time=request_times(reqs, "arrival")))
+    assert (cached("lru"), cached(by_clock), cached("belady")) == (32, 32, 64)

@@ -19,8 +19,19 @@ candidate set, and a heap keyed on ``-next_use`` (tie: least recently accessed) 
 This needs the clock at each ``begin`` to be the access time the future lists for that
 request, and distinct requests to begin at distinct times. `kvevict.replay` arranges both (it
 sets the clock to the request index, or to strictly increasing arrival times, and builds the
-future from the same requests). With a scheduler that delays requests, keys are computed from
-planned access times and the oracle is an approximation.
+future from the same requests).
+
+**Consumed by requests, not by the clock.** Built from requests (`Belady.from_requests`, which
+is how `kvevict.policies.registry.build_policy` builds it for the simulator and the engine),
+the oracle takes each request's accesses out of the future when that request begins
+(`Belady.plan`, `Belady.on_begin`), and a block's next use is the first planned access of a
+request that has not begun, whatever the clock says. The argument above holds unchanged: the
+key changes only when a request using the block begins, and that request hits it. When every
+request begins at its planned time, this is the clock's order exactly (the replay). With a
+scheduler that delays requests (a queue, or a closed-loop session's turn waiting for its
+answer, `kvevict.run.SessionGate`), the next uses are still ordered by planned times, so the
+oracle is an approximation; but a delayed request still counts as coming, instead of as
+already served (which made the timed oracle fall back to LRU wherever requests waited).
 
 Among evictable blocks, a descendant is used only by requests that also use its ancestors, so
 its next use is never earlier than theirs: the furthest-next-use leaf is a furthest-next-use
@@ -49,7 +60,7 @@ import pickle
 import shutil
 import tempfile
 import weakref
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -61,8 +72,7 @@ from kvevict.policies.base import ScoredPolicy, register_policy
 from kvevict.types import BlockInfo, Request
 
 __all__ = ["NEVER", "Belady", "FileBelady", "NextUseFile", "NextUseReader", "ReaderBacked",
-           "future_of",
-           "request_times"]
+           "future_of", "request_hashes", "request_times"]
 
 _TIME_MODES = ("index", "arrival")
 
@@ -108,18 +118,21 @@ def future_of(requests: Iterable[Request], *, block_size: int | None = None,
             raise ConfigError(f"time gives {len(times)} values for {len(reqs)} requests")
     future: dict[Any, list[float]] = {}
     for req, t in zip(reqs, times, strict=True):
-        if req.block_hashes is not None:
-            hashes: Iterable[Any] = req.block_hashes
-        else:
-            if block_size is None:
-                raise ConfigError(
-                    f"request {req.request_id!r} gives tokens; pass block_size= to hash "
-                    "them into blocks"
-                )
-            hashes = block_hashes(req.tokens, block_size, extra_key)
-        for h in hashes:
+        for h in request_hashes(req, block_size, extra_key):
             future.setdefault(h, []).append(t)
     return future
+
+
+def request_hashes(request: Request, block_size: int | None = None,
+                   extra_key: Any = None) -> Iterable[Any]:
+    """The block hashes ``request`` uses, as the manager computes them: its
+    ``block_hashes``, or its tokens hashed in blocks of ``block_size``."""
+    if request.block_hashes is not None:
+        return request.block_hashes
+    if block_size is None:
+        raise ConfigError(f"request {request.request_id!r} gives tokens; pass block_size= to "
+                          "hash them into blocks")
+    return block_hashes(request.tokens, block_size, extra_key)
 
 
 @register_policy("belady")
@@ -166,6 +179,10 @@ class Belady(ScoredPolicy):
             values.sort()
             table[key] = values
         self._future = table
+        #: request id -> its planned access time, until it begins (`from_requests`); None:
+        #: a future given as times alone, compared with the clock
+        self._planned: dict[Any, float] | None = None
+        self._hashing: tuple[int | None, Any] = (None, None)
 
     @classmethod
     def from_requests(cls, requests: Iterable[Request], *, block_size: int | None = None,
@@ -183,7 +200,38 @@ class Belady(ScoredPolicy):
                 at ``i``), ``"arrival"`` (its arrival, made strictly increasing; see
                 `request_times`) or an explicit sequence, one time per request.
         """
-        return cls(future_of(requests, block_size=block_size, extra_key=extra_key, time=time))
+        reqs = list(requests)
+        policy = cls(future_of(reqs, block_size=block_size, extra_key=extra_key, time=time))
+        policy.plan(reqs, request_times(reqs, time) if isinstance(time, str) else time,
+                    block_size=block_size, extra_key=extra_key)
+        return policy
+
+    def plan(self, requests: Sequence[Request], times: Sequence[float], *,
+             block_size: int | None = None, extra_key: Any = None) -> None:
+        """Consume the future by requests, not by the clock: each of ``requests`` (planned to
+        begin at the matching ``times``, as the future lists them) takes its accesses out of
+        the future when it begins (`on_begin`), and a block's next use is then the earliest
+        planned access of a request that has not begun, even one planned before ``now``. A
+        request that the scheduler, or a closed-loop session, delays past its planned time
+        still counts as coming, instead of as already served. When every request begins at
+        its planned time this is the clock's order exactly."""
+        self._planned = {r.request_id: float(t) for r, t in zip(requests, times, strict=True)}
+        self._hashing = (block_size, extra_key)
+
+    def on_begin(self, request: Request, hits: Sequence[BlockInfo],
+                 new: Sequence[BlockInfo], now: float) -> None:
+        if self._planned is None:
+            return
+        t = self._planned.pop(request.request_id, None)
+        if t is None:
+            return
+        future = self._future
+        for h in request_hashes(request, *self._hashing):
+            times = future.get(h)
+            if times:
+                i = bisect_left(times, t)
+                if i < len(times) and times[i] == t:
+                    del times[i]
 
     @classmethod
     def from_next_uses(cls, future: NextUseFile, capacity_blocks: int, *,
@@ -199,10 +247,14 @@ class Belady(ScoredPolicy):
         return len(self._future)
 
     def next_use(self, block_hash: Any, now: float) -> float:
-        """First access time of ``block_hash`` after ``now``; ``inf`` if never again."""
+        """First access time of ``block_hash`` after ``now``; ``inf`` if never again. Built
+        from requests (`plan`): the first planned access of a request that has not begun,
+        whatever ``now`` is."""
         times = self._future.get(block_hash)
         if not times:
             return math.inf
+        if self._planned is not None:
+            return times[0]
         i = bisect_right(times, now)
         return times[i] if i < len(times) else math.inf
 

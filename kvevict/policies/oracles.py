@@ -61,7 +61,14 @@ import numpy as np
 
 from kvevict.errors import ConfigError
 from kvevict.policies.base import Policy, register_policy
-from kvevict.policies.belady import Belady, NextUseFile, NextUseReader, ReaderBacked, future_of
+from kvevict.policies.belady import (
+    Belady,
+    NextUseFile,
+    NextUseReader,
+    ReaderBacked,
+    future_of,
+    request_times,
+)
 from kvevict.policies.lru import LRU
 from kvevict.types import BlockInfo, Request
 
@@ -227,8 +234,12 @@ class HorizonOracle(TwoClassOracle):
         """The oracle for a known sequence of requests (arguments as for
         `Belady.from_requests`, plus ``horizon``)."""
         horizon = check_horizon(horizon)
-        return cls(future_of(requests, block_size=block_size, extra_key=extra_key, time=time),
-                   horizon=horizon)
+        reqs = list(requests)
+        oracle = cls(future_of(reqs, block_size=block_size, extra_key=extra_key, time=time),
+                     horizon=horizon)
+        oracle.belady.plan(reqs, request_times(reqs, time) if isinstance(time, str) else time,
+                           block_size=block_size, extra_key=extra_key)
+        return oracle
 
     @classmethod
     def from_next_uses(cls, future: NextUseFile, capacity_blocks: int, *,
@@ -245,6 +256,10 @@ class HorizonOracle(TwoClassOracle):
 
     def next_use_key(self, block: BlockInfo, now: float) -> float:
         return self.belady.next_use(block.block_hash, now)
+
+    def on_begin(self, request: Request, hits: Sequence[BlockInfo],
+                 new: Sequence[BlockInfo], now: float) -> None:
+        self.belady.on_begin(request, hits, new, now)  # its future, consumed by requests
 
     def limit(self, now: float) -> float:
         return now + self.horizon
