@@ -117,10 +117,12 @@ def test_small_pool_answers_equal_unbounded_pool(model, seed, closed_loop):
                            time_scale=20.0, config=CONFIG, timer=fake_timer(),
                            closed_loop=closed_loop)
     assert reference.sim.manager_stats["evictions"] == 0
-    for policy in ("lru", "market"):
+    hits = {}
+    for policy in ("lru", "market", "belady"):
         small = run_engine(requests, model, policy, capacity_blocks=smallest_pool(requests),
                            block_size=BLOCK, time_scale=20.0, config=CONFIG,
                            timer=fake_timer(), closed_loop=closed_loop)
+        hits[policy] = small.summary()["token_hit_ratio"]
         summary = small.summary()
         assert summary["evictions"] > 0
         assert summary["recomputed_prefill_tokens"] > 0 or closed_loop
@@ -134,6 +136,7 @@ def test_small_pool_answers_equal_unbounded_pool(model, seed, closed_loop):
         assert check.identical, check.as_dict()["mismatches"][:5]
         assert check.positions == sum(r.output_len for r in requests)
         assert check.max_logit_deviation < 1e-4
+    assert hits["belady"] >= hits["lru"]  # the oracle, built from the run's requests
 
 
 def test_a_corrupted_cached_block_changes_answers(model):
