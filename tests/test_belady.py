@@ -346,3 +346,12 @@ def test_replay_builds_the_file_oracle_for_belady_by_name_only(mooncake, monkeyp
     assert replay(reqs, "belady", 500, future={}).hits < by_name.hits  # params: no file
     assert replay(reqs, lambda: Belady.from_requests(reqs), 500).hits == by_name.hits
     assert built == [500]
+
+
+def test_requests_that_share_an_id_keep_the_clock_order():
+    """A request's begin consumes its accesses by id; with a repeated id the begins cannot be
+    told apart, so the future stays compared with the clock (the replay's order)."""
+    unique = Belady.from_requests([_req(0, [1], 0.0), _req(1, [1], 1.0)])
+    assert unique.next_use(1, 5.0) == 0.0  # request 0 has not begun: it is still coming
+    shared = Belady.from_requests([_req(0, [1], 0.0), _req(0, [1], 1.0)])
+    assert [shared.next_use(1, t) for t in (-1.0, 0.0, 1.0)] == [0.0, 1.0, math.inf]

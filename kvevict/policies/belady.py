@@ -202,21 +202,25 @@ class Belady(ScoredPolicy):
         """
         reqs = list(requests)
         policy = cls(future_of(reqs, block_size=block_size, extra_key=extra_key, time=time))
-        policy.plan(reqs, request_times(reqs, time) if isinstance(time, str) else time,
-                    block_size=block_size, extra_key=extra_key)
+        policy.plan(reqs, time, block_size=block_size, extra_key=extra_key)
         return policy
 
-    def plan(self, requests: Sequence[Request], times: Sequence[float], *,
+    def plan(self, requests: Sequence[Request], time: str | Sequence[float] = "index", *,
              block_size: int | None = None, extra_key: Any = None) -> None:
-        """Consume the future by requests, not by the clock: each of ``requests`` (planned to
-        begin at the matching ``times``, as the future lists them) takes its accesses out of
-        the future when it begins (`on_begin`), and a block's next use is then the earliest
-        planned access of a request that has not begun, even one planned before ``now``. A
-        request that the scheduler, or a closed-loop session, delays past its planned time
-        still counts as coming, instead of as already served. When every request begins at
-        its planned time this is the clock's order exactly."""
-        self._planned = {r.request_id: float(t) for r, t in zip(requests, times, strict=True)}
-        self._hashing = (block_size, extra_key)
+        """Consume the future by requests, not by the clock: each of ``requests`` (whose
+        future this policy holds, on the same ``time`` axis as `from_requests`) takes its
+        accesses out of the future when it begins (`on_begin`), and a block's next use is then
+        the earliest planned access of a request that has not begun, even one planned before
+        ``now``. A request that the scheduler, or a closed-loop session, delays past its
+        planned time still counts as coming, instead of as already served. When every request
+        begins at its planned time this is the clock's order exactly. Requests that share an
+        id cannot be told apart at their begin, so with any repeated id the future stays
+        compared with the clock."""
+        times = request_times(requests, time) if isinstance(time, str) else list(time)
+        planned = {r.request_id: float(t) for r, t in zip(requests, times, strict=True)}
+        if len(planned) == len(requests):
+            self._planned = planned
+            self._hashing = (block_size, extra_key)
 
     def on_begin(self, request: Request, hits: Sequence[BlockInfo],
                  new: Sequence[BlockInfo], now: float) -> None:

@@ -61,14 +61,7 @@ import numpy as np
 
 from kvevict.errors import ConfigError
 from kvevict.policies.base import Policy, register_policy
-from kvevict.policies.belady import (
-    Belady,
-    NextUseFile,
-    NextUseReader,
-    ReaderBacked,
-    future_of,
-    request_times,
-)
+from kvevict.policies.belady import Belady, NextUseFile, NextUseReader, ReaderBacked, future_of
 from kvevict.policies.lru import LRU
 from kvevict.types import BlockInfo, Request
 
@@ -237,8 +230,7 @@ class HorizonOracle(TwoClassOracle):
         reqs = list(requests)
         oracle = cls(future_of(reqs, block_size=block_size, extra_key=extra_key, time=time),
                      horizon=horizon)
-        oracle.belady.plan(reqs, request_times(reqs, time) if isinstance(time, str) else time,
-                           block_size=block_size, extra_key=extra_key)
+        oracle.belady.plan(reqs, time, block_size=block_size, extra_key=extra_key)
         return oracle
 
     @classmethod
