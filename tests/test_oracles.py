@@ -211,6 +211,9 @@ def test_from_requests_and_build_policy_with_a_horizon():
     assert default.horizon == DEFAULT_HORIZON and default.belady.next_use(2, 0.0) == 2.0
     reuse = build_policy("reuse-oracle", requests=reqs)
     assert isinstance(reuse, ReuseOracle) and reuse.num_blocks_known == 3
+    assert reuse.belady.next_use(2, 100.0) == 0.0  # request 0 has not begun: still coming
+    reuse.on_begin(reqs[0], [], [], 0.0)
+    assert reuse.belady.next_use(2, 100.0) == 2.0
     # parameters the hook does not take: built from them, as before (no future)
     assert build_policy("horizon-oracle", {"future": {}, "horizon": 1},
                         requests=reqs).num_blocks_known == 0

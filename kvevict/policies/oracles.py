@@ -61,7 +61,7 @@ import numpy as np
 
 from kvevict.errors import ConfigError
 from kvevict.policies.base import Policy, register_policy
-from kvevict.policies.belady import Belady, NextUseFile, NextUseReader, ReaderBacked, future_of
+from kvevict.policies.belady import Belady, NextUseFile, NextUseReader, ReaderBacked
 from kvevict.policies.lru import LRU
 from kvevict.types import BlockInfo, Request
 
@@ -226,11 +226,9 @@ class HorizonOracle(TwoClassOracle):
                       horizon: float = DEFAULT_HORIZON) -> HorizonOracle:
         """The oracle for a known sequence of requests (arguments as for
         `Belady.from_requests`, plus ``horizon``)."""
-        horizon = check_horizon(horizon)
-        reqs = list(requests)
-        oracle = cls(future_of(reqs, block_size=block_size, extra_key=extra_key, time=time),
-                     horizon=horizon)
-        oracle.belady.plan(reqs, time, block_size=block_size, extra_key=extra_key)
+        oracle = cls(horizon=horizon)  # checked before the future is built
+        oracle.belady = Belady.from_requests(requests, block_size=block_size,
+                                             extra_key=extra_key, time=time)
         return oracle
 
     @classmethod
@@ -279,7 +277,10 @@ class ReuseOracle(HorizonOracle):
                       time: str | Sequence[float] = "index") -> ReuseOracle:
         """The oracle for a known sequence of requests (arguments as for
         `Belady.from_requests`)."""
-        return cls(future_of(requests, block_size=block_size, extra_key=extra_key, time=time))
+        oracle = cls()
+        oracle.belady = Belady.from_requests(requests, block_size=block_size,
+                                             extra_key=extra_key, time=time)
+        return oracle
 
     @classmethod
     def from_next_uses(cls, future: NextUseFile, capacity_blocks: int, *,
