@@ -304,11 +304,11 @@ def rate_scaled(requests: Sequence[Request], factor: float) -> list[Request]:
 
 def _scaled(r: Request, first: float, f: float) -> Request:
     """``r`` with its arrival, and its session pause if it has one, scaled by ``1 / f``."""
+    changes: dict[str, Any] = {"arrival": first + (r.arrival - first) / f}
     pause = r.extra.get("pause")
-    if pause is None:
-        return attrs.evolve(r, arrival=first + (r.arrival - first) / f)
-    return attrs.evolve(r, arrival=first + (r.arrival - first) / f,
-                        extra={**r.extra, "pause": pause / f})
+    if pause is not None:
+        changes["extra"] = {**r.extra, "pause": pause / f}
+    return attrs.evolve(r, **changes)
 
 
 def iter_rate_scaled(requests: Iterable[Request], factor: float) -> Iterator[Request]:

@@ -978,13 +978,18 @@ class SessionGate:
         return self._send(request, state.finish_time)
 
     def _send(self, request: Request, finished: float) -> bool:
+        """Hold ``request`` until ``finished`` plus its pause, unless that is not after its
+        own arrival (then False: it is sent as it is)."""
         at = finished + float(request.extra.get("pause") or 0.0)
         if at <= request.arrival:
             return False
-        heapq.heappush(self.due, (at, self.order, attrs.evolve(request, arrival=at)))
-        self.order += 1
+        self._due(at, attrs.evolve(request, arrival=at))
         self.held += 1
         return True
+
+    def _due(self, at: float, request: Request) -> None:
+        heapq.heappush(self.due, (at, self.order, request))
+        self.order += 1
 
     def add(self, state: RequestState) -> None:
         """``state``'s request has been handed to the scheduler."""
@@ -1006,8 +1011,7 @@ class SessionGate:
                 continue
             for request in self.waiting.pop(state.request_id):
                 if not self._send(request, state.finish_time):
-                    heapq.heappush(self.due, (request.arrival, self.order, request))
-                    self.order += 1
+                    self._due(request.arrival, request)
         self.watched = still
 
     def next_time(self) -> float | None:
