@@ -36,7 +36,7 @@ import math
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as SequenceABC
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import numpy as np
@@ -932,24 +932,45 @@ class SessionGate:
     physically impossible run, which recomputes the answer's tokens and feeds the queue with
     requests no client could have sent. A multi-turn client waits for the answer (vLLM's
     ``benchmarks/multi_turn/benchmark_serving_multi_turn.py`` sends a conversation's next turn
-    after its response), and so does this gate: a request whose ``extra["parent"]`` is the
-    previous request of its session (``session_id``) and has not finished is held, and sent
-    at ``max(arrival, parent's finish + pause)``, where ``pause`` is ``extra["pause"]`` (the
-    think time or tool pause after the answer; 0 if absent). A request that arrives after
-    its parent's finish plus its pause is sent at its own arrival, so a trace the box keeps
-    up with runs unchanged. A sent-late request is the same `Request` with the later
-    ``arrival``: its TTFT counts from when it was sent.
+    after its response), and so does this gate. A request's parent is ``extra["parent"]``
+    (None for a first turn); a sent-late request is the same `Request` with the later
+    ``arrival``, so its TTFT counts from when it was sent. Two kinds of trace carry links:
 
-    Requests without a parent, a session id, or whose parent is not the session's previous
-    request seen here (it arrived before the trace's window) pass unchanged. Memory: the
-    latest request of each session that another may follow (not marked ``extra["last"]``),
-    until the next one arrives.
+    - **Sessions with pauses** (the generators': every request says whether it is its
+      session's last, ``extra["last"]``). A request whose parent is the previous request of
+      its session (``session_id``) is sent at ``max(arrival, parent's finish + pause)``,
+      where ``pause`` is ``extra["pause"]`` (the think time or tool pause after the answer;
+      0 if absent). Memory: the latest request of each session that another may follow,
+      until the next one arrives.
+    - **Links without pauses** (a real trace's, such as Alibaba's ``parent_chat_id``: no
+      ``extra["last"]``). The trace records when each request was sent, not how long its
+      client thought, so no pause is assumed: a request is sent at ``max(arrival, parent's
+      finish)``, never before the answer it follows. A parent may have several followers (a
+      regenerated answer). Memory: the requests in flight, not the conversations: a finished
+      request is forgotten once the arrivals up to its finish have all been handed in (no
+      later arrival can precede its answer), swept when the table has doubled.
+
+    A request that arrives after its parent's finish (plus its pause) is sent at its own
+    arrival, so a trace the box keeps up with runs unchanged. Requests without a link, or
+    whose parent is not in the gate's memory (it arrived before the trace's window, or ran
+    long enough ago), pass unchanged.
     """
+
+    #: the pause-free table is swept when it reaches ``max(SWEEP_MIN, SWEEP_GROWTH x`` the
+    #: requests the last sweep kept``)``: amortized O(1) per request, and at most about
+    #: twice the requests in flight
+    SWEEP_MIN: ClassVar[int] = 1024
+    SWEEP_GROWTH: ClassVar[float] = 2.0
 
     def __init__(self) -> None:
         #: session id -> (request id, its state once added, else None): a session's latest
         #: request while another may follow it (not marked ``extra["last"]``)
         self.latest: dict[Any, tuple[Any, RequestState | None]] = {}
+        #: request id -> its state once added, else None: requests of pause-free links that
+        #: have not finished, or finished too recently to forget
+        self.linked: dict[Any, RequestState | None] = {}
+        self.sweep_at: float = self.SWEEP_MIN  # sweep `linked` when it reaches this size
+        self.handed = -math.inf  # every arrival up to this time has been handed in
         self.waiting: dict[Any, list[Request]] = {}  # parent id -> requests held behind it
         self.watched: list[RequestState] = []  # added parents that requests wait for
         self.due: list[tuple[float, int, Request]] = []  # heap: (send time, order, request)
@@ -959,20 +980,32 @@ class SessionGate:
     def arrive(self, request: Request) -> bool:
         """``request`` has reached its arrival: True when the gate holds it (it is sent later
         by `pop_due`), False when it is sent now."""
-        sid = request.session_id
         extra = request.extra
-        if sid is None or "parent" not in extra:  # a trace without session links
+        if "parent" not in extra:  # a trace without links
+            return False
+        parent = extra["parent"]
+        if "last" not in extra:  # a link without pauses
+            self.linked[request.request_id] = None
+            if parent is None or parent not in self.linked:
+                return False
+            return self._wait(request, parent, self.linked[parent])
+        sid = request.session_id
+        if sid is None:
             return False
         prev = self.latest.pop(sid, None)
-        if not extra.get("last"):
+        if not extra["last"]:
             self.latest[sid] = (request.request_id, None)
-        parent = extra["parent"]
         if parent is None or prev is None or prev[0] != parent:
             return False
-        state = prev[1]
+        return self._wait(request, parent, prev[1])
+
+    def _wait(self, request: Request, parent: Any, state: RequestState | None) -> bool:
+        """Hold ``request`` behind ``parent`` (``state``: None while it is not added yet)
+        until it finishes; once it has, `_send`."""
         if state is None or state.finish_time is None:  # not added yet, or in flight
-            self.waiting.setdefault(parent, []).append(request)
-            if state is not None and len(self.waiting[parent]) == 1:
+            behind = self.waiting.setdefault(parent, [])
+            behind.append(request)
+            if state is not None and len(behind) == 1:
                 self.watched.append(state)
             return True
         return self._send(request, state.finish_time)
@@ -995,24 +1028,33 @@ class SessionGate:
         """``state``'s request has been handed to the scheduler."""
         rid = state.request_id
         sid = state.request.session_id
-        if sid is not None and self.latest.get(sid, (None,))[0] == rid:
+        if rid in self.linked:
+            self.linked[rid] = state
+        elif sid is not None and self.latest.get(sid, (None,))[0] == rid:
             self.latest[sid] = (rid, state)
         if rid in self.waiting:
             self.watched.append(state)
 
-    def stepped(self) -> None:
-        """After a step: send what waited for the requests that finished in it."""
-        if not self.watched:
-            return
-        still = []
-        for state in self.watched:
-            if state.finish_time is None:
-                still.append(state)
-                continue
-            for request in self.waiting.pop(state.request_id):
-                if not self._send(request, state.finish_time):
-                    self._due(request.arrival, request)
-        self.watched = still
+    def stepped(self, now: float) -> None:
+        """After a step that ended at ``now``: send what waited for the requests that finished
+        in it, and forget the pause-free requests that finished before the previous step
+        ended (every arrival up to then has been handed in, so none can precede them)."""
+        if self.watched:
+            still = []
+            for state in self.watched:
+                if state.finish_time is None:
+                    still.append(state)
+                    continue
+                for request in self.waiting.pop(state.request_id):
+                    if not self._send(request, state.finish_time):
+                        self._due(request.arrival, request)
+            self.watched = still
+        if len(self.linked) >= self.sweep_at:
+            before = self.handed
+            self.linked = {rid: s for rid, s in self.linked.items()
+                           if s is None or s.finish_time is None or s.finish_time > before}
+            self.sweep_at = max(self.SWEEP_MIN, self.SWEEP_GROWTH * len(self.linked))
+        self.handed = now
 
     def next_time(self) -> float | None:
         """When the earliest held request is sent (None: none is due)."""
@@ -1071,7 +1113,7 @@ def drive(scheduler: Scheduler, requests: Iterable[Request], clock: ManualClock,
             continue
         scheduler.step(upcoming)
         if gate is not None:
-            gate.stepped()
+            gate.stepped(clock.now)
         if on_step is not None:
             on_step(scheduler)
 

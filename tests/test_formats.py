@@ -163,7 +163,9 @@ def test_alibaba_sample(tmp_path):
     assert by_id[6].workload_class == "video"  # unknown types keep the raw string
     assert by_id[3].block_hashes == (0, 1, 2, 3, 4) and by_id[3].num_tokens == 70
     assert by_id[3].arrival == 30.25 and by_id[3].turn == 2 and by_id[3].output_len == 5
-    assert by_id[3].extra == {"type": "text", "parent_chat_id": 1}
+    assert by_id[3].extra == {"type": "text", "parent_chat_id": 1, "parent": 1}
+    # the link a timed run follows (kvevict.run.SessionGate): None for a first turn
+    assert by_id[1].extra["parent"] is None and by_id[4].extra["parent"] == 99
     # 6 blocks of 16 need at least 81 tokens: the length is raised, the original kept
     assert by_id[5].num_tokens == 81 and by_id[5].extra["input_length"] == 20
     assert ALIBABA_CLASSES["file"] == "rag"

@@ -218,3 +218,143 @@ def test_the_timed_belady_keeps_what_a_held_turn_will_use():
 
     by_clock = Belady(future_of(reqs, block_size=16, time=request_times(reqs, "arrival")))
     assert (cached("lru"), cached(by_clock), cached("belady")) == (32, 32, 64)
+
+
+# -- links without pauses (a real trace's, such as Alibaba's parent_chat_id) ---------------
+
+def link(rid, arrival, parent=None, *, tokens=None, output=ANSWER):
+    """A request linked as a real trace links it: ``extra["parent"]``, no pause, no
+    ``extra["last"]`` (the trace does not say whether the conversation goes on)."""
+    return Request(rid, tokens=list(range(32)) if tokens is None else tokens,
+                   session_id="s", arrival=arrival, output_len=len(output),
+                   output_tokens=output, extra={"parent": parent})
+
+
+def test_a_linked_request_is_sent_no_earlier_than_its_parents_answer():
+    """Two answers to one parent (a regenerated answer) both wait for it, a follow-up of a
+    held request waits for that one, and a request whose parent is not in the trace, or that
+    arrives after its parent's answer, is sent at its arrival. No think time is added."""
+    second = list(range(32)) + ANSWER + [7] * 8
+    reqs = [link("a", 0.0), link("b", 0.05, "a", tokens=second), link("c", 0.06, "a"),
+            link("d", 0.07, "b", tokens=second + ANSWER + [9] * 8),
+            link("e", 0.08, "elsewhere"), link("f", 500.0, "a")]
+    result = simulate(reqs, "lru", capacity_blocks=64, cost=CostModel())
+    rec = by_id(result)
+    assert rec["a"].finish > 0.07
+    assert rec["b"].arrival == rec["a"].finish and rec["c"].arrival == rec["a"].finish
+    assert rec["d"].arrival == rec["b"].finish
+    assert rec["e"].arrival == 0.08 and rec["f"].arrival == 500.0
+    assert result.held_requests == 3
+    assert rec["b"].cached_tokens == 64  # a's prompt and its answer, as in the turn above
+    opened = by_id(simulate(reqs, "lru", capacity_blocks=64, cost=CostModel(),
+                            closed_loop=False))
+    assert opened["b"].arrival == 0.05 and opened["b"].cached_tokens == 32
+
+
+def test_an_alibaba_trace_runs_closed_loop(tmp_path):
+    """The Alibaba reader links each chat to its ``parent_chat_id``: compressed 1,000x, the
+    sample's follow-ups arrive before the answers they follow and wait for them."""
+    import json
+
+    from kvevict.workloads import read_alibaba
+
+    lines = [  # chat 1, its follow-up 3 and 3's follow-up 5; chat 4 follows one outside
+        (1, -1, 0.5, 40, 10, [0, 1, 2]), (2, -1, 1.0, 16, 3, [7]),
+        (3, 1, 30.25, 70, 5, [0, 1, 2, 3, 4]), (4, 99, 31.0, 17, 2, [8, 9]),
+        (5, 3, 90.0, 90, 8, [0, 1, 2, 3, 4, 5])]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(
+        {"chat_id": c, "parent_chat_id": p, "timestamp": t, "input_length": n,
+         "output_length": o, "type": "text", "turn": 1, "hash_ids": h}) + "\n"
+        for c, p, t, n, o, h in lines))
+    reqs = rate_scaled(read_alibaba(path), 1000.0)
+    closed = simulate(reqs, "lru", capacity_blocks=64, cost=CostModel())
+    rec = by_id(closed)
+    for r in reqs:
+        parent = r.extra["parent"]
+        want = max(r.arrival, rec[parent].finish) if parent in rec else r.arrival
+        assert rec[r.request_id].arrival == pytest.approx(want, abs=1e-12)
+    assert rec[3].arrival == rec[1].finish > reqs[2].arrival  # chat 3 waits for chat 1
+    assert closed.held_requests == sum(rec[r.request_id].arrival > r.arrival for r in reqs)
+    assert closed.held_requests >= 1
+
+
+def test_the_gate_remembers_the_requests_in_flight_not_the_conversations(monkeypatch):
+    """6,000 single-turn conversations with a follow-up each, on a box that keeps up: the
+    pause-free table holds what is in flight (swept when it doubles), never the trace. The
+    run is the simulator's own; the gate only records its size after each step."""
+    from kvevict import run, sim
+
+    sizes = []
+
+    class Observed(run.SessionGate):
+        def stepped(self, now):
+            super().stepped(now)
+            sizes.append(len(self.linked))
+
+    monkeypatch.setattr(sim, "SessionGate", Observed)
+    reqs = []
+    for i in range(3000):
+        reqs.append(link(f"q{i}", 1.0 * i, tokens=[i % 50] * 20, output=[1, 2]))
+        reqs.append(link(f"r{i}", 1.0 * i + 0.5, f"q{i}", tokens=[i % 50] * 20, output=[3]))
+    result = simulate(reqs, "lru", capacity_blocks=64, cost=CostModel())
+    assert len(result.records) == 6000 and result.held_requests == 0
+    assert len(sizes) >= 6000 and max(sizes) <= 2 * run.SessionGate.SWEEP_MIN
+
+
+@st.composite
+def linked_requests(draw):
+    """Up to 12 requests, each linked to none or to an earlier one (branches included),
+    with drawn arrivals and prompt and answer lengths; no pauses, no end markers."""
+    requests = []
+    t = 0.0
+    for i in range(draw(st.integers(1, 12))):
+        parent = draw(st.one_of(st.none(), st.integers(0, i - 1))) if i else None
+        user = [1000 * i + k for k in range(draw(st.integers(1, 40)))]
+        answer = [50_000 + 1000 * i + k for k in range(draw(st.integers(1, 30)))]
+        history = [] if parent is None else requests[parent].tokens.tolist()
+        requests.append(Request(i, tokens=history + user, session_id=0, arrival=t,
+                                output_len=len(answer), output_tokens=answer,
+                                extra={"parent": parent}))
+        t += draw(st.floats(0, 0.3))
+    return requests
+
+
+@given(linked_requests(), st.integers(8, 64), st.sampled_from([0, 1024]))
+@settings(max_examples=60, deadline=None)
+def test_every_linked_request_is_sent_at_its_arrival_or_at_its_parents_answer(reqs, blocks,
+                                                                           sweep):
+    """On random link trees, with the table swept after every step or at its default sizes,
+    every request is sent at exactly ``max(trace arrival, parent's last token)``."""
+    from kvevict.run import SessionGate
+
+    capacity = max(blocks, max(-(-(r.prompt_len + r.output_len) // 16) for r in reqs))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SessionGate, "SWEEP_MIN", sweep)
+        mp.setattr(SessionGate, "SWEEP_GROWTH", 0 if sweep == 0 else 2)
+        result = simulate(reqs, "lru", capacity_blocks=capacity, cost=CostModel())
+    rec = by_id(result)
+    assert len(rec) == len(reqs)
+    late = 0
+    for r in reqs:
+        parent = r.extra["parent"]
+        want = r.arrival if parent is None else max(r.arrival, rec[parent].finish)
+        assert rec[r.request_id].arrival == pytest.approx(want, abs=1e-12)
+        late += want > r.arrival
+    assert result.held_requests == late
+
+
+def test_a_follow_up_that_arrives_during_its_parents_last_step_waits_for_it(monkeypatch):
+    """The sweep forgets a finished request only once every arrival up to its finish has been
+    handed in: a follow-up that arrives a microsecond before its parent's last token, inside
+    the step that produces it and handed in after that step, is still sent at the answer,
+    with the table swept after every step."""
+    from kvevict.run import SessionGate
+
+    monkeypatch.setattr(SessionGate, "SWEEP_MIN", 0)  # sweep after every step
+    monkeypatch.setattr(SessionGate, "SWEEP_GROWTH", 0)
+    alone = simulate([link("a", 0.0)], "lru", capacity_blocks=64, cost=CostModel())
+    finish = alone.records[0].finish
+    reqs = [link("a", 0.0), link("b", finish - 1e-6, "a")]
+    rec = by_id(simulate(reqs, "lru", capacity_blocks=64, cost=CostModel()))
+    assert rec["a"].finish == finish and rec["b"].arrival == finish

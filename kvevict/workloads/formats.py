@@ -420,7 +420,8 @@ def _parse_alibaba(obj: Any, path: str, line: int, block_size: int,
     turn = obj["turn"]
     if not _is_int(turn) or turn < 0:
         raise bad("turn", "a non-negative integer")
-    extra: dict[str, Any] = {"type": rtype, "parent_chat_id": parent}
+    extra: dict[str, Any] = {"type": rtype, "parent_chat_id": parent,
+                             "parent": None if parent == -1 else parent}
     num_tokens = input_length
     if ids and num_tokens < block_size * (len(ids) - 1) + 1:
         num_tokens = block_size * (len(ids) - 1) + 1
@@ -471,7 +472,10 @@ def iter_alibaba(path: str | os.PathLike[str], *, block_size: int = ALIBABA_BLOC
     Each line becomes a hash-mode `Request`: ``request_id`` = ``chat_id``, ``block_hashes`` =
     ``hash_ids`` (``block_size``-token blocks, 16 in the published traces), ``arrival`` =
     ``timestamp`` (seconds), ``output_len`` = ``output_length``, ``turn`` = ``turn`` and
-    ``extra`` = ``{"type": ..., "parent_chat_id": ...}``.
+    ``extra`` = ``{"type": ..., "parent_chat_id": ..., "parent": ...}``, ``parent`` being
+    the parent chat id or None for a first turn: the link by which a timed run sends a turn
+    no earlier than the answer it follows (`kvevict.run.SessionGate`; the trace records no
+    think time, so none is assumed).
 
     **Sessions.** ``session_id`` is the root chat id, found by following ``parent_chat_id``
     links (``-1`` marks a root) to earlier lines. A parent that is not in the file (the
