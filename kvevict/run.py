@@ -46,7 +46,7 @@ from kvevict.errors import ConfigError
 from kvevict.hashing import block_hashes
 from kvevict.manager import KVCacheManager
 from kvevict.scheduler import Executor, RequestState, Scheduler, StepOutput, StepPlan
-from kvevict.types import ManualClock, Request
+from kvevict.types import BlockInfo, ManualClock, Request
 
 __all__ = ["CostModelExecutor", "InfiniteCache", "Link", "RequestRecord", "RunCollector",
            "RunColumns", "SessionGate", "SimResult", "TierTransfers", "chunk_seconds",
@@ -572,6 +572,13 @@ class TierTransfers:
     the admission is recomputed (the staged copy is not used), and one prefetched for two
     waiting requests crosses the link once.
 
+    **A block on its way is not there yet.** A reloaded block is in the pool from its
+    admission on, so another request can hit it while it still crosses the link: that
+    request waits for it too (`admitted` keeps each reloaded block's arrival time until it
+    has passed). `will_wait` says, before an admission, whether the request will wait, so
+    that the scheduler allocates its uncached rest only once the load is in (`Scheduler`:
+    no block is in the cache before a step computes it).
+
     Demotions (writes down the tiers) are not queued: CachedAttention saves asynchronously,
     off the critical path, and a PCIe link moves both directions at once. Their load on each
     tier's write bandwidth is reported (`tier_summary`: ``write_utilization``); above 1 the
@@ -596,6 +603,10 @@ class TierTransfers:
         self.peak_staged_blocks = 0
         self._staged: dict[Any, list[Any]] = {}  # hash -> [ready time, waiting requests]
         self._prefetched: dict[RequestState, list[Any]] = {}  # request -> its staged hashes
+        #: hash -> when the reloaded block arrives, kept until swept (when the table has
+        #: doubled) once that time has passed
+        self.landing: dict[Any, float] = {}
+        self._sweep_at = 1024
 
     def load(self, counts: SequenceABC[int], start: float) -> list[float]:
         """Queue ``counts[k - 1]`` blocks from each tier ``k`` at ``start``; the time each
@@ -613,18 +624,39 @@ class TierTransfers:
             ends.append(t)
         return ends
 
+    def _lookup(self, state: RequestState) -> tuple[Any, list[BlockInfo], list[BlockInfo]]:
+        """What an admission of ``state`` now would find, without side effects: its chain's
+        hashes, the pool's cached prefix of them, and the lower tiers' continuation."""
+        manager = self.manager
+        request = state.request
+        if state.status == "preempted":  # resumes look up every known token's chain
+            hashes = manager.sequence(state.request_id).hashes
+        elif request.block_hashes is not None:
+            hashes = request.block_hashes
+        elif manager.uncacheable is not None and manager.uncacheable(request):
+            return (), [], []
+        else:
+            hashes = block_hashes(request.tokens, manager.block_size, manager.extra_key)
+        hit = manager.tree.longest_prefix(hashes)
+        return hashes, hit, self.stack.match(hashes, len(hit))
+
+    def will_wait(self, state: RequestState, now: float) -> bool:
+        """Whether ``state``, admitted at ``now``, would wait for KV on a link: blocks it
+        reloads (not already staged and arrived) or cached blocks still arriving."""
+        _, hit, lower = self._lookup(state)
+        staged = self._staged
+        for block in lower:
+            entry = staged.get(block.block_hash)
+            if entry is None or entry[0] > now:
+                return True
+        landing = self.landing
+        return bool(landing) and any(landing.get(b.block_hash, now) > now for b in hit)
+
     def arrived(self, state: RequestState) -> None:
         """``state`` was queued: with prefetch on, start loading its lower-tier prefix."""
         if not self.prefetch:
             return
-        request = state.request
-        manager = self.manager
-        if request.block_hashes is not None:
-            hashes = request.block_hashes
-        else:
-            hashes = block_hashes(request.tokens, manager.block_size, manager.extra_key)
-        hit = len(manager.tree.longest_prefix(hashes))
-        lower = self.stack.match(hashes, hit)
+        _, _, lower = self._lookup(state)
         if not lower:
             return
         staged = self._staged
@@ -653,25 +685,40 @@ class TierTransfers:
         chain order right after them): queue what no prefetch staged; return when the last
         reloaded block has arrived."""
         staged = self._staged
+        landing = self.landing
         ready = now
+        if landing:  # cached blocks another request's reload is still bringing in
+            for h in seq.hashes[:pool_hits]:
+                t = landing.get(h)
+                if t is not None and t > ready:
+                    ready = t
         counts = seq.reloaded
         total = sum(counts)
         if total:
             hashes = seq.hashes[pool_hits:pool_hits + total]
             need = [0] * len(self.links)
+            queued: list[tuple[Any, int]] = []
             i = 0
             for k, n in enumerate(counts, start=1):
                 for h in hashes[i:i + n]:
                     entry = staged.pop(h, None) if staged else None
                     if entry is None:
                         need[k - 1] += 1
+                        queued.append((h, k))
                     else:  # staged by a prefetch: it is ready when that ends
                         self.prefetch_used += 1
+                        landing[h] = entry[0]
                         ready = max(ready, entry[0])
                 i += n
-            if any(need):
-                ready = max(ready, *self.load(need, now))
+            if queued:
+                ends = self.load(need, now)
+                for h, k in queued:
+                    landing[h] = ends[k - 1]
+                ready = max(ready, *ends)
             self.reloaded_blocks += total
+            if len(landing) >= self._sweep_at:
+                self.landing = {h: t for h, t in landing.items() if t > now}
+                self._sweep_at = max(1024, 2 * len(self.landing))
         mine = self._prefetched.pop(state, None)
         if mine:
             for h in mine:

@@ -37,11 +37,14 @@ pass for the interval until the next pass:
 
 With memory tiers there is a fourth part, *reload* (`RequestState.reload_time`): a scheduler
 given ``transfers`` (the simulator's `kvevict.run.TierTransfers`) asks it, when a request is
-admitted, when the KV it reloaded from a lower tier has arrived over the link. Until then the
-request holds its seat and its blocks but runs nothing (as vLLM's asynchronous KV loads keep a
-request waiting for its remote KV while the batch goes on); its first chunk, planned at
-admission, runs in the first pass after the load has ended, and the time between the end of
-the load and that pass is waiting for compute.
+admitted, when the KV it reloaded from a lower tier, and any block of its cached prefix that
+another request's reload is still bringing in, has arrived over the link. Until then the
+request holds its seat and the blocks it hit or reloads but runs nothing (as vLLM's
+asynchronous KV loads keep a request waiting for its remote KV while the batch goes on). Its
+uncached rest is allocated only once the load is in, in the first pass after it ends, as a
+running request's next prefill chunk: a block no step has computed is never in the cache for
+another request (or for the request itself, preempted meanwhile) to hit. The time between
+the end of the load and that pass is waiting for compute.
 
 So ``ttft = wait_memory + wait_compute + prefill_time + reload_time`` (up to floating-point
 rounding of the clock differences), and ``queue_wait = wait_memory + wait_compute``.
@@ -119,8 +122,7 @@ class RequestState:
     ``prefill_time`` (the steps that ran its prefill chunks) and ``reload_time`` (admitted,
     waiting for its reloaded KV to cross the link); see the module docstring for which
     interval goes where. ``first_scheduled`` is the first admission's time. While it waits
-    for a reload, ``ready_at`` is when the load ends and ``deferred`` the chunk planned at
-    admission (``(start, end, samples, real)``, or None for a resumed sequence's decode).
+    for a reload, ``ready_at`` is when the load ends.
 
     Per admission it keeps what the cache lookup found: ``prompt_blocks`` and
     ``cached_blocks`` (blocks looked up and found at the first admission), and
@@ -133,7 +135,7 @@ class RequestState:
                  "decode_time", "deferrals", "finish_time", "first_scheduled",
                  "first_token_time", "num_output", "pending_token", "phase", "phase_memory",
                  "phase_since", "prefill_chunks", "prefill_time", "preemptions",
-                 "prompt_blocks", "ready_at", "deferred", "reload_time", "request",
+                 "prompt_blocks", "ready_at", "reload_time", "request",
                  "resume_hit_blocks", "resume_lookups", "seq", "status", "wait_compute",
                  "wait_memory")
 
@@ -157,7 +159,6 @@ class RequestState:
         self.prefill_time = 0.0
         self.reload_time = 0.0
         self.ready_at: float | None = None  # admitted, its reload ends then
-        self.deferred: tuple[int, int, bool, int] | None = None
         #: the part of the TTFT it is in now (one of `PHASES`; None once the first token
         #: is out), since ``phase_since``; ``phase_memory`` is the scheduler's queue
         #: memory-wait counter at that time (see `enter`)
@@ -400,7 +401,7 @@ class Scheduler:
         else:  # fewest processed tokens: cheapest to recompute (arXiv 2411.07447)
             victim = min(candidates, key=lambda s: (s.seq.num_tokens, -s.arrival))  # type: ignore[union-attr]
         self.manager.preempt(victim.request_id)
-        victim.ready_at = victim.deferred = None  # a load under way is wasted
+        victim.ready_at = None  # a load under way is wasted
         now = self.clock()
         victim.enter("memory", now, self._queue_memory_at(now))  # it waits to resume
         victim.status = "preempted"
@@ -497,6 +498,10 @@ class Scheduler:
             state = self.waiting[0]
             limit = budget if cfg.enable_chunked_prefill else None
             resuming = state.status == "preempted"
+            # a request that will wait for a reload allocates its uncached rest once loaded
+            loads = self.transfers is not None and self.transfers.will_wait(state, now)
+            if loads:
+                limit = 0
             queries, hits = stats.block_queries, stats.block_hits
             try:
                 if resuming:
@@ -536,18 +541,22 @@ class Scheduler:
             state.seq = seq
             state.status = "running"
             self.running.append(state)
-            start = seq.num_hit_slots
-            n = seq.num_tokens - start
-            samples = seq.num_pending == 0 and state.pending_token is None
             if self.transfers is not None:
                 pool_hits = stats.block_hits - hits - sum(seq.reloaded)
                 ready = self.transfers.admitted(state, seq, pool_hits, now)
-                if ready > now:  # its reloaded KV is still on the link: run nothing yet
+                if loads:  # its rest is allocated and run once the load is in (`_loaded`)
                     state.ready_at = ready
-                    state.deferred = None if n == 0 and not samples else (
-                        start, seq.num_tokens, samples, seq.real_tokens(start, seq.num_tokens))
-                    state.enter("reload", now, memory)
+                    spent = self._loaded(state, plan, budget, now, memory, scheduled)
+                    if spent is not None:
+                        budget -= spent
                     continue
+                if ready > now:
+                    raise AssertionError(
+                        f"request {state.request_id!r} waits for a reload that "
+                        "TierTransfers.will_wait did not foresee")
+            start = seq.num_hit_slots
+            n = seq.num_tokens - start
+            samples = seq.num_pending == 0 and state.pending_token is None
             if n == 0 and not samples:  # a resumed sequence, fully cached: decode now
                 if self._schedule_decode(state, plan, scheduled):
                     scheduled.add(state.request_id)
@@ -577,34 +586,44 @@ class Scheduler:
 
     def _loaded(self, state: RequestState, plan: StepPlan, budget: int, now: float,
                 memory: float, scheduled: set[Any]) -> int | None:
-        """A request admitted while its reload was on the link: still loading, it waits
-        (``reload``); loaded, it runs the chunk planned at admission (or, a resumed sequence
-        fully cached, its decode) when the step's budget holds it, and waits for compute from
-        the end of the load otherwise. Returns the budget spent, or None when nothing ran."""
+        """A request admitted to wait for a reload: still loading, it waits (``reload``);
+        loaded, it allocates and runs its first chunk of what is uncached (or, a resumed
+        sequence fully cached, its decode) when the step's budget holds it, and waits for
+        compute from the end of the load otherwise. Returns the budget spent, or None when
+        nothing ran."""
         ready = state.ready_at
-        assert ready is not None
+        assert ready is not None and state.seq is not None
         if ready > now:
             state.enter("reload", now, memory)
             return None
         state.enter("compute", ready, memory)  # loaded at ``ready``; since then, compute
-        chunk = state.deferred
-        if chunk is None:  # a resumed sequence, fully cached
-            if budget <= 0 or not self._schedule_decode(state, plan, scheduled):
+        if budget <= 0:
+            return None
+        seq = state.seq
+        pending = seq.num_pending
+        n = min(pending, budget) if self.config.enable_chunked_prefill else pending
+        samples = n == pending and state.pending_token is None
+        if n == 0 and not samples:  # a resumed sequence, fully cached: decode
+            if not self._schedule_decode(state, plan, scheduled):
                 return None
             state.ready_at = None
             scheduled.add(state.request_id)
             return 1
-        start, end, samples, real = chunk
+        start = seq.num_tokens
+        real = seq.real_tokens(start, start + n) if n else 0
         computed = max(real, 1) if samples else real
-        if computed > budget:
+        if computed > budget:  # a whole prompt that does not fit (no chunked prefill)
             state.enter("compute", now, memory)
             return None
-        state.ready_at = state.deferred = None
-        plan.prefills.append(PrefillChunk(state, start, end, samples, real))
+        if n and not self._grow_running(
+                state, lambda: self.manager.prefill(seq.seq_id, n), scheduled):
+            return None  # preempted itself to make room
+        state.ready_at = None
+        plan.prefills.append(PrefillChunk(state, start, start + n, samples, real))
         scheduled.add(state.request_id)
         state.computed_prefill_tokens += computed
         if state.first_token_time is None:
-            state.prefill_chunks.append((start, end, real))
+            state.prefill_chunks.append((start, start + n, real))
             state.enter("prefill", now, memory)
         return computed
 

@@ -76,6 +76,41 @@ def test_two_reloads_queue_on_one_link():
     assert result.summary()["reload_s_mean"] == pytest.approx((4.5 + 9.0) / 5)
 
 
+def test_a_block_still_on_the_link_is_not_there_for_another_request():
+    # a2 reloads blocks 0..3 from the host at 100 (they land at 104.5). b3 arrives at 101 and
+    # finds them in the pool, on their way: it waits for them too (3.5 s of reload), then
+    # both prefill their one new block in one step (8 tokens, 8 s). Before, b3 ran at 101 on
+    # KV that had not arrived and had its first token at 105.
+    requests = warm_up() + [req("a2", 100.0, (0, 4), (300, 1)),
+                            req("b3", 101.0, (0, 4), (600, 1))]
+    _, recs = run(requests)
+    a2, b3 = recs["a2"], recs["b3"]
+    assert (a2.cached_tokens, b3.cached_tokens) == (16, 16)
+    assert a2.reload_s == pytest.approx(4.5) and b3.reload_s == pytest.approx(3.5)
+    assert a2.prefill_s == pytest.approx(8.0) and b3.prefill_s == pytest.approx(8.0)
+    assert a2.arrival + a2.ttft == pytest.approx(112.5)
+    assert b3.arrival + b3.ttft == pytest.approx(112.5)
+
+
+def test_a_block_no_step_has_computed_is_not_in_the_cache():
+    # a2 waits for its reload (100 -> 104.5) before it prefills block 300. c3, the same
+    # prompt at 101, cannot hit block 300 before a step computes it: it waits for blocks
+    # 0..3 like a2 and computes block 300 itself in the same step. Before, a2's block was
+    # cached from its admission on: c3 hit all 20 tokens and had its first token at 102,
+    # 6.5 s before a2 computed them (every token served must have been computed: the run's
+    # prefill tokens are at least an infinite cache's, 77).
+    requests = warm_up() + [req("a2", 100.0, (0, 4), (300, 1)),
+                            req("c3", 101.0, (0, 4), (300, 1))]
+    result, recs = run(requests)
+    c3 = recs["c3"]
+    assert c3.cached_tokens == 16 and c3.computed_prefill_tokens == 4
+    assert c3.reload_s == pytest.approx(3.5)
+    assert c3.arrival + c3.ttft == pytest.approx(112.5)
+    summary = result.summary()
+    assert (summary["prefill_tokens_computed"], result.infinite_compute_tokens) == (80, 77)
+    assert summary["recomputed_prefill_tokens"] == 3
+
+
 def test_free_bandwidth_would_not_queue():
     # the same two reloads a minute apart: nothing to queue behind, 4.5 s each
     requests = warm_up() + [req("a2", 100.0, (0, 4), (300, 1)),
