@@ -142,7 +142,13 @@ class Study:
                                            validator=lambda _s, _a, v: _check_tiers(v))
     #: a session's request waits for the answer it follows (`kvevict.run.SessionGate`);
     #: False: every request at its trace arrival (``--open-loop``)
-    closed_loop: bool = True
+    closed_loop: bool = attrs.field(default=True,
+                                    validator=lambda _s, _a, v: _check_closed_loop(v))
+
+
+def _check_closed_loop(value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"closed_loop must be True or False, got {value!r}")
 
 
 def _check_tiers(value: Any) -> None:

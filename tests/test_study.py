@@ -88,3 +88,10 @@ def test_replay_cells_are_the_exact_untimed_replay(study: Study) -> None:
         Cell("lru", None, 0)
     with pytest.raises(ConfigError, match="mode is one of timed, replay"):
         Cell("lru", 4, 0, mode="fast")
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_closed_loop_must_be_a_bool(value: object) -> None:
+    with pytest.raises(ConfigError, match="closed_loop must be True or False"):
+        Study(Source(workload="chat-server"), LAYOUT, 16, CostModel(),
+              closed_loop=value)  # type: ignore[arg-type]
