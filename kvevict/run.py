@@ -607,6 +607,9 @@ class TierTransfers:
         #: doubled) once that time has passed
         self.landing: dict[Any, float] = {}
         self._sweep_at = 1024
+        #: a waiting token request's prompt hashes, from its first lookup to its admission
+        #: (a head blocked for memory is looked up on every pass)
+        self._hashes: dict[RequestState, Any] = {}
 
     def load(self, counts: SequenceABC[int], start: float) -> list[float]:
         """Queue ``counts[k - 1]`` blocks from each tier ``k`` at ``start``; the time each
@@ -636,7 +639,10 @@ class TierTransfers:
         elif manager.uncacheable is not None and manager.uncacheable(request):
             return (), [], []
         else:
-            hashes = block_hashes(request.tokens, manager.block_size, manager.extra_key)
+            hashes = self._hashes.get(state)
+            if hashes is None:
+                hashes = self._hashes[state] = block_hashes(
+                    request.tokens, manager.block_size, manager.extra_key)
         hit = manager.tree.longest_prefix(hashes)
         return hashes, hit, self.stack.match(hashes, len(hit))
 
@@ -684,6 +690,7 @@ class TierTransfers:
         ``pool_hits`` blocks in the pool and reloaded ``seq.reloaded`` from the tiers, in
         chain order right after them): queue what no prefetch staged; return when the last
         reloaded block has arrived."""
+        self._hashes.pop(state, None)
         staged = self._staged
         landing = self.landing
         ready = now
