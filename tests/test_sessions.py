@@ -34,6 +34,27 @@ def by_id(result):
     return {r.request_id: r for r in result.records}
 
 
+def fitting(reqs, blocks):
+    """``blocks``, or the blocks of the largest request if more (16-token blocks)."""
+    return max(blocks, max(-(-(r.prompt_len + r.output_len) // 16) for r in reqs))
+
+
+def assert_sent_on_time(reqs, result):
+    """Every request of ``reqs`` finished, and was sent at exactly ``max(trace arrival,
+    parent's last token + pause)`` (no pause: 0); ``held_requests`` counts the late ones."""
+    rec = by_id(result)
+    assert len(rec) == len(reqs)
+    late = 0
+    for r in reqs:
+        parent = r.extra["parent"]
+        want = r.arrival
+        if parent is not None:
+            want = max(r.arrival, rec[parent].finish + (r.extra.get("pause") or 0.0))
+        assert rec[r.request_id].arrival == pytest.approx(want, abs=1e-12)
+        late += want > r.arrival
+    assert result.held_requests == late
+
+
 def test_a_turn_that_arrives_before_its_answer_is_sent_after_it_plus_its_pause():
     second = list(range(32)) + ANSWER + [7] * 8  # the first turn, its answer, a message
     reqs = [turn("t1", 0.0), turn("t2", 0.1, "t1", 2.0, tokens=second),
@@ -176,19 +197,9 @@ def test_every_request_is_sent_at_its_arrival_or_at_its_answer_plus_its_pause(re
     """On random sessions and pool sizes, the run (the simulator's production path) sends each
     request at exactly ``max(trace arrival, parent's last token + pause)``, finishes every
     request, and counts as held exactly those sent late."""
-    capacity = max(blocks, max(-(-(r.prompt_len + r.output_len) // 16) for r in reqs))
+    capacity = fitting(reqs, blocks)
     result = simulate(reqs, "lru", capacity_blocks=capacity, cost=CostModel())
-    rec = by_id(result)
-    assert len(rec) == len(reqs)
-    late = 0
-    for r in reqs:
-        parent = r.extra["parent"]
-        want = r.arrival
-        if parent is not None:
-            want = max(r.arrival, rec[parent].finish + (r.extra.get("pause") or 0.0))
-        assert rec[r.request_id].arrival == pytest.approx(want, abs=1e-12)
-        late += want > r.arrival
-    assert result.held_requests == late
+    assert_sent_on_time(reqs, result)
     opened = simulate(reqs, "lru", capacity_blocks=capacity, cost=CostModel(),
                       closed_loop=False)
     assert sorted(r.arrival for r in opened.records) == sorted(r.arrival for r in reqs)
@@ -328,20 +339,11 @@ def test_every_linked_request_is_sent_at_its_arrival_or_at_its_parents_answer(re
     every request is sent at exactly ``max(trace arrival, parent's last token)``."""
     from kvevict.run import SessionGate
 
-    capacity = max(blocks, max(-(-(r.prompt_len + r.output_len) // 16) for r in reqs))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(SessionGate, "SWEEP_MIN", sweep)
         mp.setattr(SessionGate, "SWEEP_GROWTH", 0 if sweep == 0 else 2)
-        result = simulate(reqs, "lru", capacity_blocks=capacity, cost=CostModel())
-    rec = by_id(result)
-    assert len(rec) == len(reqs)
-    late = 0
-    for r in reqs:
-        parent = r.extra["parent"]
-        want = r.arrival if parent is None else max(r.arrival, rec[parent].finish)
-        assert rec[r.request_id].arrival == pytest.approx(want, abs=1e-12)
-        late += want > r.arrival
-    assert result.held_requests == late
+        result = simulate(reqs, "lru", capacity_blocks=fitting(reqs, blocks), cost=CostModel())
+    assert_sent_on_time(reqs, result)
 
 
 def test_a_follow_up_that_arrives_during_its_parents_last_step_waits_for_it(monkeypatch):
