@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from kvevict.errors import ConfigError
-from kvevict.types import as_token_array
+from kvevict.types import Request, as_token_array
 
-__all__ = ["ROOT_HASH", "block_hashes", "chain_hashes", "encode_extra", "hash_block"]
+__all__ = ["ROOT_HASH", "block_hashes", "chain_hashes", "encode_extra", "hash_block",
+           "request_hashes"]
 
 #: The parent hash of a sequence's first block.
 ROOT_HASH = 0
@@ -80,6 +81,18 @@ def block_hashes(tokens: Any, block_size: int, extra_key: Any = None,
     _parent_bytes(parent_hash)
     return chain_hashes(as_token_array(tokens), block_size, encode_extra(extra_key),
                         parent_hash)
+
+
+def request_hashes(request: Request, block_size: int | None = None,
+                   extra_key: Any = None) -> Any:
+    """The block hashes ``request`` uses, as the manager computes them: its
+    ``block_hashes``, or its tokens hashed in blocks of ``block_size``."""
+    if request.block_hashes is not None:
+        return request.block_hashes
+    if block_size is None:
+        raise ConfigError(f"request {request.request_id!r} gives tokens; pass block_size= to "
+                          "hash them into blocks")
+    return block_hashes(request.tokens, block_size, extra_key)
 
 
 def encode_extra(extra_key: Any) -> bytes:

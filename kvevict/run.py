@@ -43,7 +43,7 @@ import numpy as np
 
 from kvevict.cost import CostModel
 from kvevict.errors import ConfigError
-from kvevict.hashing import block_hashes
+from kvevict.hashing import block_hashes, request_hashes
 from kvevict.manager import KVCacheManager
 from kvevict.scheduler import Executor, RequestState, Scheduler, StepOutput, StepPlan
 from kvevict.types import BlockInfo, ManualClock, Request
@@ -607,7 +607,7 @@ class TierTransfers:
         #: doubled) once that time has passed
         self.landing: dict[Any, float] = {}
         self._sweep_at = 1024
-        #: a waiting token request's prompt hashes, from its first lookup to its admission
+        #: a waiting request's prompt hashes, from its first lookup to its admission
         #: (a head blocked for memory is looked up on every pass)
         self._hashes: dict[RequestState, Any] = {}
 
@@ -634,15 +634,13 @@ class TierTransfers:
         request = state.request
         if state.status == "preempted":  # resumes look up every known token's chain
             hashes = manager.sequence(state.request_id).hashes
-        elif request.block_hashes is not None:
-            hashes = request.block_hashes
         elif manager.uncacheable is not None and manager.uncacheable(request):
             return (), [], []
         else:
             hashes = self._hashes.get(state)
             if hashes is None:
-                hashes = self._hashes[state] = block_hashes(
-                    request.tokens, manager.block_size, manager.extra_key)
+                hashes = self._hashes[state] = request_hashes(
+                    request, manager.block_size, manager.extra_key)
         hit = manager.tree.longest_prefix(hashes)
         return hashes, hit, self.stack.match(hashes, len(hit))
 

@@ -67,7 +67,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvevict.errors import ConfigError
-from kvevict.hashing import block_hashes
+from kvevict.hashing import request_hashes
 from kvevict.policies.base import ScoredPolicy, register_policy
 from kvevict.types import BlockInfo, Request
 
@@ -121,18 +121,6 @@ def future_of(requests: Iterable[Request], *, block_size: int | None = None,
         for h in request_hashes(req, block_size, extra_key):
             future.setdefault(h, []).append(t)
     return future
-
-
-def request_hashes(request: Request, block_size: int | None = None,
-                   extra_key: Any = None) -> Iterable[Any]:
-    """The block hashes ``request`` uses, as the manager computes them: its
-    ``block_hashes``, or its tokens hashed in blocks of ``block_size``."""
-    if request.block_hashes is not None:
-        return request.block_hashes
-    if block_size is None:
-        raise ConfigError(f"request {request.request_id!r} gives tokens; pass block_size= to "
-                          "hash them into blocks")
-    return block_hashes(request.tokens, block_size, extra_key)
 
 
 @register_policy("belady")
@@ -434,10 +422,7 @@ class NextUseFile:
                 for req in requests:
                     if not isinstance(req, Request):
                         raise ConfigError(f"replay takes Requests, got {type(req).__name__}")
-                    if req.block_hashes is not None:
-                        hashes: Sequence[Any] = req.block_hashes
-                    else:
-                        hashes = block_hashes(req.tokens, block_size, extra_key)
+                    hashes = request_hashes(req, block_size, extra_key)
                     need = -(-req.prompt_len // block_size)
                     max_need = max(max_need, need)
                     offsets.append(accesses)
