@@ -49,9 +49,9 @@ from kvevict.scheduler import Executor, RequestState, Scheduler, StepOutput, Ste
 from kvevict.types import BlockInfo, ManualClock, Request
 
 __all__ = ["CostModelExecutor", "InfiniteCache", "Link", "RequestRecord", "RunCollector",
-           "RunColumns", "SessionGate", "SimResult", "TierTransfers", "chunk_seconds",
-           "collect", "drive", "in_arrival_order", "infinite_cache_hits", "recompute_seconds",
-           "tier_summary"]
+           "RunColumns", "SessionGate", "SimResult", "TierTransfers", "check_closed_loop",
+           "chunk_seconds", "collect", "drive", "in_arrival_order", "infinite_cache_hits",
+           "recompute_seconds", "tier_summary"]
 
 
 def chunk_seconds(cost: CostModel, start: int, end: int, computed: int) -> float:
@@ -1117,6 +1117,13 @@ class SessionGate:
         if self.due and self.due[0][0] <= now:
             return heapq.heappop(self.due)[2]
         return None
+
+
+def check_closed_loop(value: Any) -> None:
+    """``closed_loop`` (a `SessionGate` or none: `kvevict.sim.simulate`, `Study`, the
+    engine's `run_engine`) must be a bool."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"closed_loop must be True or False, got {value!r}")
 
 
 def drive(scheduler: Scheduler, requests: Iterable[Request], clock: ManualClock,

@@ -55,6 +55,7 @@ from kvevict.run import (
     SessionGate,
     SimResult,
     TierTransfers,
+    check_closed_loop,
     drive,
 )
 from kvevict.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -204,8 +205,7 @@ def simulate(requests: Iterable[Request], policy: str | Policy = "lru", *,
                           f"{type(requests).__name__}")
     if records is not None and not isinstance(records, bool):
         raise ConfigError(f"records must be True, False or None, got {records!r}")
-    if not isinstance(closed_loop, bool):
-        raise ConfigError(f"closed_loop must be True or False, got {closed_loop!r}")
+    check_closed_loop(closed_loop)
     if tiers is not None:
         if not isinstance(tiers, TierConfig):
             raise ConfigError(f"tiers must be a TierConfig or None, got {type(tiers).__name__}")

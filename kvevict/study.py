@@ -34,6 +34,7 @@ from kvevict.cost import CostModel
 from kvevict.errors import ConfigError
 from kvevict.layout import KVLayout
 from kvevict.policies.market.admission import admission_for, check_admission
+from kvevict.run import check_closed_loop
 from kvevict.scheduler import SchedulerConfig
 from kvevict.sim import TierConfig
 from kvevict.types import Request
@@ -143,12 +144,7 @@ class Study:
     #: a session's request waits for the answer it follows (`kvevict.run.SessionGate`);
     #: False: every request at its trace arrival (``--open-loop``)
     closed_loop: bool = attrs.field(default=True,
-                                    validator=lambda _s, _a, v: _check_closed_loop(v))
-
-
-def _check_closed_loop(value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"closed_loop must be True or False, got {value!r}")
+                                    validator=lambda _s, _a, v: check_closed_loop(v))
 
 
 def _check_tiers(value: Any) -> None:

@@ -45,7 +45,14 @@ from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy
 from kvevict.policies.registry import POLICIES, build_policy, is_offline
 from kvevict.pool import BlockPool
-from kvevict.run import RequestRecord, SessionGate, SimResult, collect, drive
+from kvevict.run import (
+    RequestRecord,
+    SessionGate,
+    SimResult,
+    check_closed_loop,
+    collect,
+    drive,
+)
 from kvevict.scheduler import Scheduler, SchedulerConfig
 from kvevict.tiers import TierPricedCost, TierStack
 from kvevict.tokens import TokenPolicy
@@ -301,8 +308,7 @@ def run_engine(requests: SequenceABC[Request], model: LlamaModel, policy: str | 
     if not isinstance(model, LlamaModel):
         raise ConfigError(f"model must be a LlamaModel, got {type(model).__name__}")
     check_time_scale(time_scale)
-    if not isinstance(closed_loop, bool):
-        raise ConfigError(f"closed_loop must be True or False, got {closed_loop!r}")
+    check_closed_loop(closed_loop)
     ordered = _check_requests(requests, model.config.vocab_size)
     if tiers is not None and not isinstance(tiers, TierStack):
         raise ConfigError(f"tiers must be a kvevict.tiers.TierStack, got {type(tiers).__name__}")
