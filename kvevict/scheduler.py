@@ -473,11 +473,8 @@ class Scheduler:
                     continue
                 samples = seq.num_pending == 0 and state.pending_token is None
                 real = seq.real_tokens(start, start + n)
-                plan.prefills.append(PrefillChunk(state, start, start + n, samples, real))
-                state.computed_prefill_tokens += real
-                if state.first_token_time is None:
-                    state.prefill_chunks.append((start, start + n, real))
-                    state.enter("prefill", now, memory)
+                self._plan_prefill(state, plan, start, start + n, samples, real, real, now,
+                                   memory)
                 budget -= n
             else:
                 if not self._schedule_decode(state, plan, scheduled):
@@ -563,13 +560,10 @@ class Scheduler:
                     budget -= 1
                 continue
             real = seq.real_tokens(start, seq.num_tokens)
-            plan.prefills.append(PrefillChunk(state, start, seq.num_tokens, samples, real))
-            scheduled.add(state.request_id)  # in this step's plan: not to be preempted now
             computed = max(real, 1) if samples else real
-            state.computed_prefill_tokens += computed
-            if state.first_token_time is None:
-                state.prefill_chunks.append((start, seq.num_tokens, real))
-                state.enter("prefill", now, memory)
+            self._plan_prefill(state, plan, start, seq.num_tokens, samples, real, computed, now,
+                               memory)
+            scheduled.add(state.request_id)  # in this step's plan: not to be preempted now
             budget -= computed
         self._queue_reason = reason
         if self.waiting and (reason == "memory" or len(self.running) >= cfg.max_num_seqs):
@@ -619,13 +613,23 @@ class Scheduler:
                 state, lambda: self.manager.prefill(seq.seq_id, n), scheduled):
             return None  # preempted itself to make room
         state.ready_at = None
-        plan.prefills.append(PrefillChunk(state, start, start + n, samples, real))
+        self._plan_prefill(state, plan, start, start + n, samples, real, computed, now, memory)
         scheduled.add(state.request_id)
+        return computed
+
+    @staticmethod
+    def _plan_prefill(state: RequestState, plan: StepPlan, start: int, end: int,
+                      samples: bool, real: int, computed: int, now: float,
+                      memory: float) -> None:
+        """Put positions ``[start, end)`` of ``state`` in ``plan`` as a prefill chunk
+        (``real`` of them real tokens; ``samples``: it ends the prompt and samples), counting
+        ``computed`` prefill tokens; before the first token, the chunk is part of its prefill
+        (``prefill_chunks``, the ``prefill`` phase)."""
+        plan.prefills.append(PrefillChunk(state, start, end, samples, real))
         state.computed_prefill_tokens += computed
         if state.first_token_time is None:
-            state.prefill_chunks.append((start, start + n, real))
+            state.prefill_chunks.append((start, end, real))
             state.enter("prefill", now, memory)
-        return computed
 
     def step(self, next_arrival: float | None = None) -> StepPlan:
         """Schedule, execute and account one step. If nothing can run, idle until the
