@@ -296,6 +296,8 @@ class KVCacheManager:
         self._on_insert = hook(self.policy, Policy, "on_insert")
         self._on_begin = hook(self.policy, Policy, "on_begin")
         self._on_finish = hook(self.policy, Policy, "on_finish")
+        self._on_preempt = hook(self.policy, Policy, "on_preempt")
+        self._on_resume = hook(self.policy, Policy, "on_resume")
         self._on_admitted = hook(self.admission, Admission, "on_admitted")
         # what the eviction loop calls, bound once (it runs for every block a request needs)
         self._victim, self._on_evict = self.policy.victim, self.policy.on_evict
@@ -522,12 +524,14 @@ class KVCacheManager:
             self._allocate_to(seq, target, now, "prefill")
             if self._on_admitted is not None:
                 self._on_admitted(seq.request, now)
-            if begin and self._on_begin is not None:
+            started = self._on_begin if begin else self._on_resume
+            if started is not None:
                 try:
                     cached = seq.cached_blocks
-                    self._on_begin(seq.request, cached[:num_hit], cached[num_hit:], now)
+                    started(seq.request, cached[:num_hit], cached[num_hit:], now)
                 except Exception as exc:
-                    raise self._policy_error("on_begin", None, exc) from exc
+                    event = "on_begin" if begin else "on_resume"
+                    raise self._policy_error(event, None, exc) from exc
         except BaseException:
             # undo: uncache what this call cached, release what the sequence holds (the hits
             # become candidates again); evictions done stay done
@@ -893,11 +897,18 @@ class KVCacheManager:
             raise error
 
     def preempt(self, seq_id: Any) -> Sequence:
-        """Release a running sequence's blocks (tail first) but keep it for `resume`."""
+        """Release a running sequence's blocks (tail first) but keep it for `resume`. The
+        policy's ``on_preempt`` sees them first; if it raises, the sequence stays running."""
         seq = self.sequence(seq_id)
         if seq.status != "running":
             raise ConfigError(f"sequence {seq_id!r} is {seq.status}, not running")
-        error = self._release(seq, self._now())
+        now = self._now()
+        if self._on_preempt is not None:
+            try:
+                self._on_preempt(seq.request, seq.cached_blocks, now)
+            except Exception as exc:
+                raise self._policy_error("on_preempt", None, exc) from exc
+        error = self._release(seq, now)
         seq.status = "preempted"
         self.stats.preemptions += 1
         if error is not None:

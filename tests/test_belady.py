@@ -355,3 +355,43 @@ def test_requests_that_share_an_id_keep_the_clock_order():
     assert unique.next_use(1, 5.0) == 0.0  # request 0 has not begun: it is still coming
     shared = Belady.from_requests([_req(0, [1], 0.0), _req(0, [1], 1.0)])
     assert [shared.next_use(1, t) for t in (-1.0, 0.0, 1.0)] == [0.0, 1.0, math.inf]
+
+
+def test_a_preempted_requests_blocks_are_kept_for_its_resume():
+    """Request a (blocks 1, 2) is preempted; block 9 waits for request y, planned at 5. A
+    preempted request resumes, so its blocks are used again at its planned time (0): the
+    oracle evicts 9, and a resumes on both of its blocks. Before `on_preempt`, a's accesses
+    were consumed at its begin, its blocks looked dead, and the oracle evicted its tail."""
+    a, x, y = _req("a", [1, 2], 0.0), _req("x", [9], 1.0), _req("y", [9], 5.0)
+    policy = Belady.from_requests([a, x, y], time=[0.0, 1.0, 5.0])
+    clock = ManualClock()
+    m = KVCacheManager(BlockPool(3, BS), policy, clock=clock)
+    m.begin(a)
+    clock.set(1.0)
+    m.begin(x)
+    m.finish("x")
+    assert policy.next_use(1, 1.0) == math.inf  # a began: its accesses left the future
+    clock.set(2.0)
+    m.preempt("a")
+    assert [policy.next_use(h, 2.0) for h in (1, 2, 9)] == [0.0, 0.0, 5.0]
+    assert m.evict(1) == 1
+    clock.set(3.0)
+    assert m.resume("a").num_cached_tokens == 2 * BS
+    assert policy.next_use(1, 3.0) == math.inf  # resumed: consumed again
+    m.finish("a")
+    clock.set(5.0)
+    assert m.begin(y).num_cached_tokens == 0  # 9 was the victim
+    m.check()
+
+
+def test_a_preempted_request_that_finishes_does_not_come_back():
+    """An aborted preempted request: what `on_preempt` put back leaves the future."""
+    a = _req("a", [1, 2], 0.0)
+    policy = Belady.from_requests([a, _req("b", [2], 4.0)], time=[0.0, 4.0])
+    m = KVCacheManager(BlockPool(3, BS), policy, clock=ManualClock())
+    m.begin(a)
+    m.preempt("a")
+    assert [policy.next_use(h, 0.0) for h in (1, 2)] == [0.0, 0.0]
+    m.finish("a")
+    assert [policy.next_use(h, 0.0) for h in (1, 2)] == [math.inf, 4.0]
+    m.check()

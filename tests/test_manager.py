@@ -678,6 +678,24 @@ class _BadVictim(Policy):
         return len(self.candidates)
 
 
+def test_a_policy_raising_on_preempt_leaves_the_sequence_running(clock):
+    """``on_preempt`` comes before the release: if it raises, nothing is released, the
+    sequence still runs, and the manager raises `PolicyError` naming the event."""
+    from kvevict.policies.lru import LRU
+
+    class Refuses(LRU):
+        def on_preempt(self, request, blocks, now):
+            raise RuntimeError("no")
+
+    m = KVCacheManager(BlockPool(4, 4), Refuses(), clock=clock)
+    m.begin(Request("a", tokens=A[:10]))
+    before = snapshot(m)
+    with pytest.raises(PolicyError, match=r"on_preempt\(\) raised: RuntimeError: no"):
+        m.preempt("a")
+    assert snapshot(m) == before and m.sequence("a").status == "running"
+    m.check()
+
+
 @pytest.mark.parametrize("victim_id", [2, 0, 99])
 def test_policy_naming_a_non_candidate_raises_and_leaves_cache_consistent(clock, victim_id):
     """2: held by a running sequence; 0: the block the new request hits; 99: no such block."""
@@ -850,7 +868,9 @@ def test_finite_non_negative_arrivals_are_accepted(arrival):
 def test_policy_events_of_a_request_in_order(clock):
     """What a policy hears of one request, in order: per hit block ``on_hit``, then one
     ``on_hits`` with the hits in chain order (begin and resume alike, not sent without
-    hits), then ``on_insert`` per block it caches, then ``on_begin`` (begin only)."""
+    hits), then ``on_insert`` per block it caches, then ``on_begin`` (a begin) or
+    ``on_resume`` (a resume). A preemption sends ``on_preempt`` with the blocks it held,
+    while it still holds them (none is a candidate yet)."""
     from kvevict.policies.lru import LRU
 
     class Recorder(LRU):
@@ -873,6 +893,14 @@ def test_policy_events_of_a_request_in_order(clock):
                                 [b.hit_count for b in hits], now))
             hits.clear()  # the policy's own copy: the manager's hits are untouched
 
+        def on_preempt(self, request, blocks, now):
+            self.events.append(("preempt", request.request_id, [b.block_id for b in blocks],
+                                [b.ref_count for b in blocks], len(self), now))
+
+        def on_resume(self, request, hits, new, now):
+            self.events.append(("resume", request.request_id, [b.block_id for b in hits],
+                                [b.block_id for b in new], now))
+
     policy = Recorder()
     m = KVCacheManager(BlockPool(8, 4), policy, clock=clock)
     m.begin(Request("a", tokens=A))
@@ -886,9 +914,14 @@ def test_policy_events_of_a_request_in_order(clock):
                              ("insert", 3), ("begin", "b", [0, 1], [3], 2.0)]
     assert [b.block_id for b in seq.cached_blocks] == [0, 1, 3]
     policy.events.clear()
+    clock.set(2.5)
     m.preempt("b")
+    assert policy.events == [("preempt", "b", [0, 1, 3], [1, 1, 1], 1, 2.5)]  # a's 2 left
+    assert len(policy) == 2  # then released: the leaves 2 (a's tail) and 3 (b's) are candidates
+    policy.events.clear()
     clock.set(3.0)
-    m.resume("b")
+    m.resume("b", max_new_tokens=0)
     assert policy.events == [("hit", 0, 2), ("hit", 1, 2), ("hit", 3, 1),
-                             ("hits", "b", [0, 1, 3], [2, 2, 1], 3.0)]
+                             ("hits", "b", [0, 1, 3], [2, 2, 1], 3.0),
+                             ("resume", "b", [0, 1, 3], [], 3.0)]
     m.check()

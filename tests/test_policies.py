@@ -248,6 +248,28 @@ def test_pinned_wraps_a_named_inner_policy():
     assert make_policy("pinned", inner=inner).inner is inner
 
 
+def test_pinned_passes_the_request_events_to_its_inner_policy():
+    """A preemption and a resume reach the wrapped policy, as begin and finish do: the
+    Belady inside keeps a preempted request's blocks for its resume (tests/test_belady.py)."""
+    from kvevict import BlockPool, KVCacheManager, ManualClock, Request
+    from kvevict.policies.belady import Belady
+
+    a = Request("a", block_hashes=[1, 2], num_tokens=8, arrival=0.0)
+    x = Request("x", block_hashes=[9], num_tokens=4, arrival=1.0)
+    inner = Belady.from_requests([a, x, Request("y", block_hashes=[9], num_tokens=4,
+                                                arrival=5.0)], time=[0.0, 1.0, 5.0])
+    m = KVCacheManager(BlockPool(3, 4), make_policy("pinned", inner=inner), clock=ManualClock())
+    m.begin(a)
+    m.begin(x)
+    m.finish("x")
+    m.preempt("a")
+    assert [inner.next_use(h, 2.0) for h in (1, 2)] == [0.0, 0.0]
+    assert m.evict(1) == 1
+    assert m.resume("a").num_cached_tokens == 8
+    assert inner.next_use(1, 2.0) == math.inf
+    m.check()
+
+
 @pytest.mark.parametrize("params, match", [
     ({"min_sharers": 0}, "min_sharers must be an int >= 1, got 0"),
     ({"min_sharers": 2.0}, "min_sharers must be an int >= 1, got 2.0"),

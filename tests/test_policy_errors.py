@@ -17,7 +17,7 @@ from kvevict.errors import KVEvictError, OutOfBlocks
 from kvevict.policies.base import ScoredPolicy
 
 EVENTS = ("on_begin", "on_insert", "on_hit", "on_hits", "on_candidate", "on_uncandidate",
-          "on_evict", "victim", "pop_victim", "on_finish")
+          "on_evict", "victim", "pop_victim", "on_finish", "on_preempt", "on_resume")
 
 
 class Boom(RuntimeError):
@@ -48,6 +48,12 @@ class Flaky(LRU):
 
     def on_finish(self, request, blocks, now):
         self._maybe("on_finish")
+
+    def on_preempt(self, request, blocks, now):
+        self._maybe("on_preempt")
+
+    def on_resume(self, request, hits, new, now):
+        self._maybe("on_resume")
 
     def on_insert(self, block, now):
         self._maybe("on_insert")
@@ -229,6 +235,38 @@ def test_a_raising_on_finish_finishes_all_the_same():
         m.finish("a")
     assert info.value.event == "on_finish" and info.value.block_id is None
     assert m.sequences == {} and m.stats.finished == 1
+    m.check()
+
+
+def test_a_raising_on_preempt_releases_nothing():
+    policy = Flaky({"on_preempt"})
+    m, _ = _manager(policy)
+    m.begin(_req("a", [1, 1, 2, 2, 3]))
+    before = _state(m)
+    with pytest.raises(PolicyError) as info:
+        m.preempt("a")
+    assert info.value.event == "on_preempt" and info.value.block_id is None
+    assert _state(m) == before and m.sequence("a").status == "running"
+    m.check()
+    m.preempt("a")  # the policy works again: so does the manager
+    assert m.sequence("a").status == "preempted" and len(policy) == 1
+    m.check()
+
+
+def test_a_resume_whose_on_resume_raises_is_rolled_back():
+    policy = Flaky()
+    m, clock = _manager(policy)
+    m.begin(_req("a", [1, 1, 2, 2, 3]))
+    m.preempt("a")
+    before = _state(m)
+    policy.fail = {"on_resume"}
+    clock.advance(1)
+    with pytest.raises(PolicyError) as info:
+        m.resume("a")
+    assert info.value.event == "on_resume"
+    assert _state(m) == before and m.sequence("a").status == "preempted"
+    m.check()
+    assert m.resume("a").num_cached_tokens == 4
     m.check()
 
 

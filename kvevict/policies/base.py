@@ -17,6 +17,8 @@ carry the block's read-only `BlockInfo` (its ``parent`` record too) and the cloc
 | ``victim(now)`` | name one current candidate to evict (a peek), or None if none | required |
 | ``pop_victim(now)`` | optional: ``victim`` and ``on_evict`` in one call | not called |
 | ``on_finish(request, blocks, now)`` | a request finished: the cached blocks it held | no-op |
+| ``on_preempt(request, blocks, now)`` | preempted: the blocks it held, still held | no-op |
+| ``on_resume(request, hits, new, now)`` | a preempted request resumed: as ``on_begin`` | no-op |
 
 ``on_evict`` is sent for every evicted block, including a pinned one the policy was never
 offered (evicted only when no other candidate existed). A victim that is not a candidate
@@ -50,7 +52,8 @@ __all__ = [
 class Policy(abc.ABC):
     """Base of residency policies. Subclasses implement the candidate index and `victim`.
 
-    The no-op hooks (``on_begin``, ``on_insert``, ``on_hit``, ``on_hits``, ``on_finish``) are
+    The no-op hooks (``on_begin``, ``on_insert``, ``on_hit``, ``on_hits``, ``on_finish``,
+    ``on_preempt``, ``on_resume``) are
     there so a policy only overrides what it uses; the manager never calls one left as it is.
     """
 
@@ -91,6 +94,17 @@ class Policy(abc.ABC):
     def on_finish(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
         """``request`` finished; ``blocks`` are the cached blocks it held, in order (empty if
         it was preempted)."""
+
+    def on_preempt(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
+        """``request`` was preempted and waits to resume (a scheduler resumes preempted
+        requests first): ``blocks`` are the cached blocks it held, in chain order. Sent
+        before they are released, so a policy can price them as coming back when they
+        become candidates right after this call; if it raises, the request stays running."""
+
+    def on_resume(self, request: Request, hits: Sequence[BlockInfo],
+                  new: Sequence[BlockInfo], now: float) -> None:
+        """A preempted ``request`` resumed: ``hits`` are its cached prefix as found now,
+        ``new`` the blocks it cached (as for `on_begin`, which a resume does not send)."""
 
     @abc.abstractmethod
     def on_candidate(self, block: BlockInfo, now: float) -> None:

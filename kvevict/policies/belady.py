@@ -32,6 +32,9 @@ scheduler that delays requests (a queue, or a closed-loop session's turn waiting
 answer, `kvevict.run.SessionGate`), the next uses are still ordered by planned times, so the
 oracle is an approximation; but a delayed request still counts as coming, instead of as
 already served (which made the timed oracle fall back to LRU wherever requests waited).
+A preempted request is coming too: `Belady.on_preempt` puts the blocks it held back in the
+future at its planned time before they become candidates, and its resume (`on_resume`), which
+hits every one of them still cached, takes them out again, so the keys stay exact.
 
 Among evictable blocks, a descendant is used only by requests that also use its ancestors, so
 its next use is never earlier than theirs: the furthest-next-use leaf is a furthest-next-use
@@ -60,7 +63,7 @@ import pickle
 import shutil
 import tempfile
 import weakref
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -170,6 +173,10 @@ class Belady(ScoredPolicy):
         #: request id -> its planned access time, until it begins (`from_requests`); None:
         #: a future given as times alone, compared with the clock
         self._planned: dict[Any, float] | None = None
+        #: request id -> its planned time, from its begin to its finish (`plan`)
+        self._begun: dict[Any, float] = {}
+        #: preempted request id -> the block hashes put back in its future (`on_preempt`)
+        self._waiting: dict[Any, list[Any]] = {}
         self._hashing: tuple[int | None, Any] = (None, None)
 
     @classmethod
@@ -217,13 +224,48 @@ class Belady(ScoredPolicy):
         t = self._planned.pop(request.request_id, None)
         if t is None:
             return
+        self._begun[request.request_id] = t
+        self._consume(request_hashes(request, *self._hashing), t)
+
+    def _consume(self, hashes: Iterable[Any], t: float) -> None:
+        """Take one access at ``t`` of each of ``hashes`` out of the future."""
         future = self._future
-        for h in request_hashes(request, *self._hashing):
+        for h in hashes:
             times = future.get(h)
             if times:
                 i = bisect_left(times, t)
                 if i < len(times) and times[i] == t:
                     del times[i]
+
+    def on_preempt(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
+        """A preempted request comes back: the blocks it held are used again at its resume,
+        put back in the future at its planned time (before they become candidates, so
+        their keys see it; a resume hits every one still cached, so the keys stay exact)."""
+        t = self._begun.get(request.request_id)
+        if t is None:
+            return
+        hashes = [block.block_hash for block in blocks]
+        future = self._future
+        for h in hashes:
+            insort(future.setdefault(h, []), t)
+        self._waiting.setdefault(request.request_id, []).extend(hashes)
+
+    def on_resume(self, request: Request, hits: Sequence[BlockInfo],
+                  new: Sequence[BlockInfo], now: float) -> None:
+        hashes = self._waiting.pop(request.request_id, None)
+        if hashes is not None:
+            self._consume(hashes, self._begun[request.request_id])
+
+    def on_finish(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
+        """A request that finishes while preempted (aborted) will not come back: what
+        `on_preempt` put back is taken out again, for every key computed from now on. Its
+        blocks that are candidates already keep the key they got (an imminent use) until
+        they leave the candidate set; the simulator and the engine resume every preempted
+        request, so only an abort meets this."""
+        t = self._begun.pop(request.request_id, None)
+        hashes = self._waiting.pop(request.request_id, None)
+        if hashes is not None:
+            self._consume(hashes, t)  # type: ignore[arg-type]
 
     @classmethod
     def from_next_uses(cls, future: NextUseFile, capacity_blocks: int, *,

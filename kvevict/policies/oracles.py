@@ -251,6 +251,16 @@ class HorizonOracle(TwoClassOracle):
                  new: Sequence[BlockInfo], now: float) -> None:
         self.belady.on_begin(request, hits, new, now)  # its future, consumed by requests
 
+    def on_preempt(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
+        self.belady.on_preempt(request, blocks, now)  # what it held comes back
+
+    def on_resume(self, request: Request, hits: Sequence[BlockInfo],
+                  new: Sequence[BlockInfo], now: float) -> None:
+        self.belady.on_resume(request, hits, new, now)
+
+    def on_finish(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
+        self.belady.on_finish(request, blocks, now)
+
     def limit(self, now: float) -> float:
         return now + self.horizon
 

@@ -72,6 +72,13 @@ class RefcountPinned(Policy):
     def on_finish(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
         self.inner.on_finish(request, blocks, now)
 
+    def on_preempt(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
+        self.inner.on_preempt(request, blocks, now)
+
+    def on_resume(self, request: Request, hits: Sequence[BlockInfo],
+                  new: Sequence[BlockInfo], now: float) -> None:
+        self.inner.on_resume(request, hits, new, now)
+
     def on_insert(self, block: BlockInfo, now: float) -> None:
         self.inner.on_insert(block, now)
 
