@@ -601,7 +601,8 @@ class TierTransfers:
         self.prefetched_blocks = 0  #: blocks put on the links by prefetches
         self.prefetch_used = 0  #: reloaded blocks a prefetch had staged
         self.peak_staged_blocks = 0
-        self._staged: dict[Any, list[Any]] = {}  # hash -> [ready time, waiting requests]
+        #: hash -> [ready time, waiting requests, the tier its prefetch read it from]
+        self._staged: dict[Any, list[Any]] = {}
         self._prefetched: dict[RequestState, list[Any]] = {}  # request -> its staged hashes
         #: hash -> when the reloaded block arrives, kept until swept (when the table has
         #: doubled) once that time has passed
@@ -674,7 +675,7 @@ class TierTransfers:
                 new.append((block.block_hash, k))
         ends = self.load(counts, state.arrival)
         for h, k in new:
-            staged[h] = [ends[k - 1], 0]
+            staged[h] = [ends[k - 1], 0, k]
         mine = [b.block_hash for b in lower]
         for h in mine:
             staged[h][1] += 1
@@ -703,6 +704,7 @@ class TierTransfers:
             hashes = seq.hashes[pool_hits:pool_hits + total]
             need = [0] * len(self.links)
             queued: list[tuple[Any, int]] = []
+            moved: dict[tuple[int, int], int] = {}
             i = 0
             for k, n in enumerate(counts, start=1):
                 for h in hashes[i:i + n]:
@@ -714,7 +716,11 @@ class TierTransfers:
                         self.prefetch_used += 1
                         landing[h] = entry[0]
                         ready = max(ready, entry[0])
+                        if entry[2] != k:  # read from a tier it has left since
+                            moved[k, entry[2]] = moved.get((k, entry[2]), 0) + 1
                 i += n
+            if moved:
+                self.stack.served_by_staged(moved)
             if queued:
                 ends = self.load(need, now)
                 for h, k in queued:

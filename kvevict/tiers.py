@@ -1176,6 +1176,16 @@ class TierStack:
             out.append(block)
         return out
 
+    def served_by_staged(self, moves: Mapping[tuple[int, int], int]) -> None:
+        """Count reloads where the bytes came from: ``moves[(found, staged)]`` blocks the
+        pool reloaded from tier ``found`` (1-based) were served by a copy a prefetch had
+        already read from tier ``staged`` (the block moved down a tier after its prefetch;
+        `kvevict.run.TierTransfers`). They count as reads of tier ``staged``."""
+        served = self._served
+        for (found, staged), n in moves.items():
+            served[found] -= n
+            served[staged] += n
+
     def hits_by_tier(self, device_hits: int) -> dict[str, int]:
         """Blocks served by each tier: ``device_hits`` (the manager's ``block_hits`` less
         the reloads) and every tier's reloads."""

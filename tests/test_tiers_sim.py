@@ -161,6 +161,28 @@ def test_a_reload_from_the_disk_tier_crosses_both_links():
     assert a2.reload_s == pytest.approx(4.25 + 4.5)
 
 
+def test_a_staged_block_that_moves_down_a_tier_counts_where_it_was_read():
+    # an 8-block host tier over a disk tier, one seat. x's blocks (admitted at 100, decoding
+    # until 112.5) push a's blocks down: its tail reaches the disk at 100, the other three
+    # after 101, when a2 arrives and prefetches them: three over the host link, the tail
+    # over the disk's and then the host's. At a2's admission all four are on the disk, and
+    # the staged copies serve them (no reload wait): three host reads and one disk read, as
+    # the links moved them. (Before: four disk reads, through a disk link that moved one.)
+    disk = TierProfile("test-disk", 400.0, 400.0, 0.25)
+    tiers = TierConfig(8, disk_blocks=32, host_profile=LINK, disk_profile=disk, prefetch=True)
+    requests = warm_up() + [req("x", 100.0, (500, 1), out=17),
+                            req("a2", 101.0, (0, 4), (300, 1))]
+    result = simulate(requests, "lru", capacity_blocks=10, block_size=BS, cost=COST,
+                      config=SchedulerConfig(max_num_seqs=1), tiers=tiers)
+    t = result.summary()["tiers"]
+    assert t["hit_blocks"] == {"device": 0, "host": 3, "disk": 1}
+    assert t["bytes_read"] == {"host": 1200, "disk": 400}
+    assert (t["links"]["host"]["blocks"], t["links"]["disk"]["blocks"]) == (4, 1)
+    assert t["prefetch"]["used"] == 4
+    a2 = {r.request_id: r for r in result.records}["a2"]
+    assert a2.cached_tokens == 16 and a2.reload_s == 0.0
+
+
 def test_untiered_results_are_unchanged_when_nothing_is_evicted():
     # a pool that never evicts: the tiers see nothing, every number is the untiered one
     requests = warm_up() + [req("a2", 100.0, (0, 4), (300, 1), out=3)]
