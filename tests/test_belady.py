@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from functools import cache
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvevict import BlockPool, ConfigError, KVCacheManager, ManualClock, Request, make_policy
 from kvevict.policies.belady import Belady, request_times
+from kvevict.policies.oracles import HorizonOracle
 from kvevict.prefix import block_hashes
 from kvevict.replay import replay
 from kvevict.testing import machine_for
@@ -357,15 +359,23 @@ def test_requests_that_share_an_id_keep_the_clock_order():
     assert [shared.next_use(1, t) for t in (-1.0, 0.0, 1.0)] == [0.0, 1.0, math.inf]
 
 
-def test_a_preempted_requests_blocks_are_kept_for_its_resume():
+@pytest.mark.parametrize("build", [
+    Belady.from_requests,
+    functools.partial(HorizonOracle.from_requests, horizon=10.0),
+    functools.partial(HorizonOracle.from_requests, horizon=math.inf),  # the reuse oracle
+], ids=["belady", "horizon", "reuse"])
+def test_a_preempted_requests_blocks_are_kept_for_its_resume(build):
     """Request a (blocks 1, 2) is preempted; block 9 waits for request y, planned at 5. A
     preempted request resumes, so its blocks are used again at its planned time (0): the
     oracle evicts 9, and a resumes on both of its blocks. Before `on_preempt`, a's accesses
-    were consumed at its begin, its blocks looked dead, and the oracle evicted its tail."""
+    were consumed at its begin, its blocks looked dead, and the oracle evicted its tail.
+    The horizon and reuse oracles share the future (with 9 live too, LRU order among the
+    live evicts 9, released first)."""
     a, x, y = _req("a", [1, 2], 0.0), _req("x", [9], 1.0), _req("y", [9], 5.0)
-    policy = Belady.from_requests([a, x, y], time=[0.0, 1.0, 5.0])
+    oracle = build([a, x, y], time=[0.0, 1.0, 5.0])
+    policy = getattr(oracle, "belady", oracle)  # the future the oracle looks up
     clock = ManualClock()
-    m = KVCacheManager(BlockPool(3, BS), policy, clock=clock)
+    m = KVCacheManager(BlockPool(3, BS), oracle, clock=clock)
     m.begin(a)
     clock.set(1.0)
     m.begin(x)

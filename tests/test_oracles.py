@@ -440,27 +440,3 @@ def test_replay_figure_draws_each_row_in_its_fixed_style():
     with pytest.raises(ConfigError, match="at least one row"):
         report.replay_figure([], "t")
 
-
-@pytest.mark.parametrize("horizon", [10.0, math.inf])
-def test_the_oracles_keep_a_preempted_requests_blocks_for_its_resume(horizon):
-    """As for Belady (tests/test_belady.py): a's blocks come back at its resume, so with 9
-    live too, LRU order among the live evicts 9 (released first); a resumes on both."""
-    a = Request("a", block_hashes=[1, 2], num_tokens=2 * BS, arrival=0.0)
-    x = Request("x", block_hashes=[9], num_tokens=BS, arrival=1.0)
-    y = Request("y", block_hashes=[9], num_tokens=BS, arrival=5.0)
-    policy = HorizonOracle.from_requests([a, x, y], time=[0.0, 1.0, 5.0], horizon=horizon)
-    clock = ManualClock()
-    m = KVCacheManager(BlockPool(3, BS), policy, clock=clock)
-    m.begin(a)
-    clock.set(1.0)
-    m.begin(x)
-    m.finish("x")
-    clock.set(2.0)
-    m.preempt("a")
-    assert m.evict(1) == 1
-    clock.set(3.0)
-    assert m.resume("a").num_cached_tokens == 2 * BS
-    m.finish("a")
-    clock.set(5.0)
-    assert m.begin(y).num_cached_tokens == 0
-    m.check()
