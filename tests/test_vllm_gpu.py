@@ -152,6 +152,80 @@ def test_exact_events_and_eviction_order(g):
 
 
 @vllm_only
+def test_a_preemption_sends_on_preempt_and_its_resume_on_resume(g):
+    """vLLM's scheduler preempts a request by freeing it while its status is still RUNNING
+    (`Scheduler._preempt_request`; a finished request is FINISHED_* by its free). The
+    plugin sends ``on_preempt`` with the blocks it holds, before they are released, and the
+    request's next allocation ``on_resume``, not a second ``on_begin``; a finish after that
+    sends ``on_finish``, and a request finished while preempted ``on_finish`` with none."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    source = inspect.getsource(Scheduler._preempt_request)
+    assert source.index("_free_request_blocks(request)") < source.index(
+        "request.status = RequestStatus.PREEMPTED")
+
+    class Events(LRU):
+        def __init__(self):
+            super().__init__()
+            self.events = []
+
+        def note(self, name, request, *lists):
+            self.events.append((name, request.request_id,
+                                *[[b.block_id for b in x] for x in lists]))
+
+        def on_begin(self, request, hits, new, now):
+            self.note("begin", request, hits, new)
+
+        def on_resume(self, request, hits, new, now):
+            self.note("resume", request, hits, new)
+
+        def on_preempt(self, request, blocks, now):
+            self.note("preempt", request, blocks)
+            self.events.append(("candidates then", len(self)))
+
+        def on_finish(self, request, blocks, now):
+            self.note("finish", request, blocks)
+
+    policy = Events()
+    mgr, tier = manager(g, policy, capacity=8)
+    hasher = g.replay.block_hasher(BS)
+
+    def allocate(req):
+        blocks, computed, _ = mgr.get_computed_blocks(req)
+        assert mgr.allocate_slots(req, req.num_tokens - computed, computed, blocks) is not None
+        return computed
+
+    a = g.Request("a", A, g.SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    b = g.Request("b", B, g.SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    assert allocate(a) == 0
+    a.status = RequestStatus.RUNNING
+    mgr.free(a)  # as _preempt_request frees it
+    a.status = RequestStatus.PREEMPTED
+    assert allocate(a) == 48  # its three full blocks
+    a.status = RequestStatus.FINISHED_STOPPED
+    mgr.free(a)
+    assert allocate(b) == 0
+    b.status = RequestStatus.RUNNING
+    mgr.free(b)
+    b.status = RequestStatus.FINISHED_ABORTED
+    mgr.free(b)  # aborted while preempted
+    assert policy.events == [
+        ("begin", "a", [], [1, 2, 3]),  # its fourth block is partial: not cached
+        ("preempt", "a", [1, 2, 3]), ("candidates then", 0),  # still held
+        ("resume", "a", [1, 2, 3], []),
+        ("finish", "a", [1, 2, 3]),
+        ("begin", "b", [], [4, 5]),
+        ("preempt", "b", [4, 5]), ("candidates then", 1),  # a's leaf, 3
+        ("finish", "b", []),
+    ]
+    assert tier.begun == {} and tier.preempted == set()
+    tier.check()
+
+
+@vllm_only
 def test_twins_and_leaf_rule(g):
     """A block-aligned prompt sent twice: vLLM recomputes its last block into a twin (same
     hash, another block); either twin may go, and the records stay consistent."""

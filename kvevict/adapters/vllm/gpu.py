@@ -24,6 +24,7 @@ point `kvevict.adapters.vllm.register_gpu_plugin` with ``KVEVICT_VLLM_POLICY`` s
 | ``evict_blocks`` (a connector drops hashes) | ``on_evict`` |
 | ``reset_prefix_cache`` | a fresh policy |
 | first ``allocate_slots`` / ``free`` of a request | ``on_begin`` / ``on_finish`` |
+| ``free`` while running (a preemption) / the next allocation | ``on_preempt`` / ``on_resume`` |
 
 **Candidates are leaves**, as in kvevict's manager: a free cached block is offered to the
 policy only if no resident cached block chains from its hash, or another resident block
@@ -80,6 +81,7 @@ import vllm.v1.core.sched.scheduler as _scheduler_module  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 __all__ = [
     "ENV_METRICS",
@@ -283,6 +285,7 @@ class GPUTier:
         self.request: Any = None
         self.info: RequestInfo = _DEFAULT_INFO
         self.begun: dict[str, list[BlockInfo]] = {}  # request id -> its cached records
+        self.preempted: set[str] = set()  # request ids preempted, waiting to resume
         self.call_hits: list[BlockInfo] = []
         self.call_new: list[BlockInfo] = []
         self.infos: dict[str, tuple[RequestInfo, Request | None]] = {}
@@ -308,6 +311,8 @@ class GPUTier:
         self.p_hits = hook(policy, Policy, "on_hits")
         self.p_begin = hook(policy, Policy, "on_begin")
         self.p_finish = hook(policy, Policy, "on_finish")
+        self.p_preempt = hook(policy, Policy, "on_preempt")
+        self.p_resume = hook(policy, Policy, "on_resume")
         price = getattr(policy, "price", None)
         self.p_price = price if callable(price) and self.config.metrics_path else None
 
@@ -319,6 +324,7 @@ class GPUTier:
             "the GPU prefix cache now evicts in vLLM's LRU order")
         self.policy = None
         self.p_insert = self.p_hit = self.p_hits = self.p_begin = self.p_finish = None
+        self.p_preempt = self.p_resume = None
         self.p_price = None
 
     # -- candidates --------------------------------------------------------------------------
@@ -412,19 +418,47 @@ class GPUTier:
         held = self.begun.get(req_id)
         if held is None:
             self.begun[req_id] = self.call_hits + self.call_new
-            if self.p_begin is not None:
+            resumed = req_id in self.preempted
+            if resumed:
+                self.preempted.discard(req_id)
+            started, event = ((self.p_resume, "on_resume") if resumed
+                              else (self.p_begin, "on_begin"))
+            if started is not None:
                 try:
-                    self.p_begin(self.kvevict_request(request), self.call_hits,
-                                 self.call_new, self.clock())
+                    started(self.kvevict_request(request), self.call_hits, self.call_new,
+                            self.clock())
                 except Exception as exc:
-                    self.quarantine("on_begin", None, exc)
+                    self.quarantine(event, None, exc)
         elif self.call_new:
             held.extend(self.call_new)
 
-    def finish(self, request: Any) -> None:
-        """``request`` was freed: ``on_finish`` with the cached blocks it held."""
+    def preempt(self, request: Any) -> bool:
+        """``request`` is about to be freed while running: vLLM's scheduler preempts it
+        (``_preempt_request`` frees a request whose status is still RUNNING; a finished
+        one's is FINISHED_* by then). ``on_preempt`` with the cached blocks it holds, before
+        they are released; its next first ``allocate_slots`` sends ``on_resume``. False
+        (and nothing sent) if it never got its slots: its free is then a finish."""
         req_id = request.request_id
         held = self.begun.pop(req_id, None)
+        if held is None:
+            return False
+        self.preempted.add(req_id)
+        if self.p_preempt is not None:
+            live = [r for r in held if self.records[r.block_id] is r]
+            try:
+                self.p_preempt(self.kvevict_request(request), live, self.clock())
+            except Exception as exc:
+                self.quarantine("on_preempt", None, exc)
+        return True
+
+    def finish(self, request: Any) -> None:
+        """``request`` was freed: ``on_finish`` with the cached blocks it held (none if it
+        was preempted and not resumed)."""
+        req_id = request.request_id
+        held = self.begun.pop(req_id, None)
+        if req_id in self.preempted:
+            self.preempted.discard(req_id)
+            held = []
         if self.p_finish is not None and held is not None:
             live = [r for r in held if self.records[r.block_id] is r]
             try:
@@ -706,6 +740,7 @@ class GPUTier:
         self.children.clear()
         self.tick = 0
         self.begun.clear()
+        self.preempted.clear()
         if not instance:
             self.start_policy()
 
@@ -985,12 +1020,14 @@ class KVEvictKVCacheManager(KVCacheManager):
 
     def free(self, request: Any) -> None:
         tier = self.tier
+        preempting = request.status == RequestStatus.RUNNING and tier.preempt(request)
         tier.begin_call(request)
         try:
             super().free(request)
         finally:
             tier.request = None
-            tier.finish(request)
+            if not preempting:
+                tier.finish(request)
 
 
 def _write_all_metrics() -> None:
