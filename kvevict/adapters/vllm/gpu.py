@@ -443,12 +443,7 @@ class GPUTier:
         if held is None:
             return False
         self.preempted.add(req_id)
-        if self.p_preempt is not None:
-            live = [r for r in held if self.records[r.block_id] is r]
-            try:
-                self.p_preempt(self.kvevict_request(request), live, self.clock())
-            except Exception as exc:
-                self.quarantine("on_preempt", None, exc)
+        self.send_released(self.p_preempt, "on_preempt", request, held)
         return True
 
     def finish(self, request: Any) -> None:
@@ -459,13 +454,21 @@ class GPUTier:
         if req_id in self.preempted:
             self.preempted.discard(req_id)
             held = []
-        if self.p_finish is not None and held is not None:
-            live = [r for r in held if self.records[r.block_id] is r]
-            try:
-                self.p_finish(self.kvevict_request(request), live, self.clock())
-            except Exception as exc:
-                self.quarantine("on_finish", None, exc)
+        if held is not None:
+            self.send_released(self.p_finish, "on_finish", request, held)
         self.infos.pop(req_id, None)
+
+    def send_released(self, event_hook: Callable[..., None] | None, event: str,
+                      request: Any, held: list[BlockInfo]) -> None:
+        """``event_hook`` (the policy's ``on_finish`` or ``on_preempt``; None: not
+        overridden) with the records of ``held`` still cached; quarantine if it raises."""
+        if event_hook is None:
+            return
+        live = [r for r in held if self.records[r.block_id] is r]
+        try:
+            event_hook(self.kvevict_request(request), live, self.clock())
+        except Exception as exc:
+            self.quarantine(event, None, exc)
 
     def kvevict_request(self, request: Any) -> Request:
         """The kvevict `Request` a request event carries (built once per vLLM request)."""
