@@ -27,6 +27,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import attrs
 import numpy as np
 
 from kvevict import workloads
@@ -49,13 +50,12 @@ def began(result) -> dict:
 
 
 def realized_belady(requests: list, times: dict) -> Belady:
-    """Belady whose planned time for each request is ``times[request_id]`` (made strictly
-    increasing, as `kvevict.policies.belady.request_times` does for arrivals)."""
-    order = sorted(requests, key=lambda r: (times[r.request_id], r.arrival))
-    planned = [times[r.request_id] for r in order]
-    for i in range(1, len(planned)):
-        planned[i] = max(planned[i], np.nextafter(planned[i - 1], np.inf))
-    return Belady.from_requests(order, block_size=BLOCK_SIZE, time=planned)
+    """Belady whose planned time for each request is ``times[request_id]``: the requests
+    re-timed to it, on the oracle's own arrival axis (`Belady.from_requests`, which makes
+    the times strictly increasing)."""
+    retimed = sorted((attrs.evolve(r, arrival=times[r.request_id]) for r in requests),
+                     key=lambda r: r.arrival)
+    return Belady.from_requests(retimed, block_size=BLOCK_SIZE, time="arrival")
 
 
 def main(argv: list[str] | None = None) -> int:
