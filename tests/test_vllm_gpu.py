@@ -226,6 +226,88 @@ def test_a_preemption_sends_on_preempt_and_its_resume_on_resume(g):
 
 
 @vllm_only
+def test_a_deferred_free_sends_its_events_as_a_free_does(g):
+    """With several batches in flight, vLLM's scheduler defers a KV-connector consumer's
+    frees (`Scheduler._free_request_blocks`): ``pop_blocks_for_free`` takes the blocks from
+    the request, and a later step gives them to ``block_pool.free_blocks``, tail first. The
+    plugin sends what `free` sends: ``on_preempt`` at once for a running request (before the
+    release), and ``on_finish`` for a finished one once its blocks are released; nothing is
+    left behind."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    source = inspect.getsource(Scheduler._free_request_blocks)
+    assert "self.kv_cache_manager.pop_blocks_for_free(request)" in source
+    assert "self.deferred_frees.append((self.sched_step_seq, blocks))" in source
+    assert "self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))" in \
+        inspect.getsource(Scheduler._drain_deferred_frees)
+
+    class Events(LRU):
+        def __init__(self):
+            super().__init__()
+            self.events = []
+
+        def note(self, name, request, *lists):
+            self.events.append((name, request.request_id,
+                                *[[b.block_id for b in x] for x in lists], len(self)))
+
+        def on_begin(self, request, hits, new, now):
+            self.note("begin", request, hits, new)
+
+        def on_resume(self, request, hits, new, now):
+            self.note("resume", request, hits, new)
+
+        def on_preempt(self, request, blocks, now):
+            self.note("preempt", request, blocks)
+
+        def on_finish(self, request, blocks, now):
+            self.note("finish", request, blocks)
+
+    policy = Events()
+    mgr, tier = manager(g, policy, capacity=10)
+    hasher = g.replay.block_hasher(BS)
+
+    def allocate(req):
+        blocks, computed, _ = mgr.get_computed_blocks(req)
+        assert mgr.allocate_slots(req, req.num_tokens - computed, computed, blocks) is not None
+        return computed
+
+    a = g.Request("a", A, g.SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    b = g.Request("b", B, g.SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    c = g.Request("c", A[:33], g.SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    assert allocate(a) == 0
+    a.status = RequestStatus.FINISHED_STOPPED
+    popped_a = mgr.pop_blocks_for_free(a)  # deferred: its blocks are still held
+    assert [blk.block_id for blk in popped_a] == [1, 2, 3, 4]
+    assert allocate(c) == 32  # a later request hits them meanwhile
+    assert allocate(b) == 0
+    b.status = RequestStatus.RUNNING
+    popped_b = mgr.pop_blocks_for_free(b)  # a deferred preemption
+    mgr.block_pool.free_blocks(reversed(popped_a))  # the fence of a's step has passed
+    b.status = RequestStatus.PREEMPTED
+    mgr.block_pool.free_blocks(reversed(popped_b))
+    assert allocate(b) == 32
+    c.status = b.status = RequestStatus.FINISHED_STOPPED
+    mgr.free(c)
+    mgr.free(b)
+    assert policy.events == [
+        ("begin", "a", [], [1, 2, 3], 0),
+        ("begin", "c", [1, 2], [], 0),
+        ("begin", "b", [], [6, 7], 0),
+        ("preempt", "b", [6, 7], 0),  # at once, before the release
+        ("finish", "a", [1, 2, 3], 1),  # once released: its leaf 3 is a candidate
+        ("resume", "b", [6, 7], [], 1),  # its leaf 7 was offered, and its hit took it back
+        ("finish", "c", [1, 2], 1),  # 2 is inner (3 chains from it): not offered
+        ("finish", "b", [6, 7], 2),  # 7 offered
+    ]
+    assert tier.begun == {} and tier.preempted == set() and tier.finishing == {}
+    assert tier.infos == {}
+    tier.check()
+
+
+@vllm_only
 def test_twins_and_leaf_rule(g):
     """A block-aligned prompt sent twice: vLLM recomputes its last block into a twin (same
     hash, another block); either twin may go, and the records stay consistent."""

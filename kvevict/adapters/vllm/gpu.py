@@ -25,6 +25,7 @@ point `kvevict.adapters.vllm.register_gpu_plugin` with ``KVEVICT_VLLM_POLICY`` s
 | ``reset_prefix_cache`` | a fresh policy |
 | first ``allocate_slots`` / ``free`` of a request | ``on_begin`` / ``on_finish`` |
 | ``free`` while running (a preemption) / the next allocation | ``on_preempt`` / ``on_resume`` |
+| ``pop_blocks_for_free`` (a deferred free), then their ``free_blocks`` | as ``free`` |
 
 **Candidates are leaves**, as in kvevict's manager: a free cached block is offered to the
 policy only if no resident cached block chains from its hash, or another resident block
@@ -286,6 +287,9 @@ class GPUTier:
         self.info: RequestInfo = _DEFAULT_INFO
         self.begun: dict[str, list[BlockInfo]] = {}  # request id -> its cached records
         self.preempted: set[str] = set()  # request ids preempted, waiting to resume
+        # finished requests whose free vLLM deferred (pop_blocks_for_free): the ids of the
+        # blocks it popped, in allocation order -> (request, held records), oldest first
+        self.finishing: dict[tuple[int, ...], deque[tuple[Request, list[BlockInfo]]]] = {}
         self.call_hits: list[BlockInfo] = []
         self.call_new: list[BlockInfo] = []
         self.infos: dict[str, tuple[RequestInfo, Request | None]] = {}
@@ -443,30 +447,51 @@ class GPUTier:
         if held is None:
             return False
         self.preempted.add(req_id)
-        self.send_released(self.p_preempt, "on_preempt", request, held)
+        if self.p_preempt is not None:
+            self.send_released(self.p_preempt, "on_preempt", self.kvevict_request(request),
+                               held)
         return True
 
-    def finish(self, request: Any) -> None:
+    def finish(self, request: Any, deferred: Sequence[KVCacheBlock] = ()) -> None:
         """``request`` was freed: ``on_finish`` with the cached blocks it held (none if it
-        was preempted and not resumed)."""
+        was preempted and not resumed), after they are released. ``deferred``: the blocks
+        vLLM popped to free later (``pop_blocks_for_free``, when a step in flight may still
+        write them); ``on_finish`` then waits for their ``free_blocks`` (`freed`)."""
         req_id = request.request_id
         held = self.begun.pop(req_id, None)
         if req_id in self.preempted:
             self.preempted.discard(req_id)
             held = []
-        if held is not None:
-            self.send_released(self.p_finish, "on_finish", request, held)
+        if held is not None and self.p_finish is not None:
+            built = self.kvevict_request(request)
+            if deferred:
+                key = tuple(b.block_id for b in deferred)
+                self.finishing.setdefault(key, deque()).append((built, held))
+            else:
+                self.send_released(self.p_finish, "on_finish", built, held)
         self.infos.pop(req_id, None)
 
+    def freed(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """``free_blocks(blocks)`` (tail first), after `released`: if they are the blocks
+        of a finished request whose free vLLM deferred, its ``on_finish`` now."""
+        key = tuple(b.block_id for b in reversed(blocks))
+        waiting = self.finishing.get(key)
+        if waiting is None:
+            return
+        built, held = waiting.popleft()
+        if not waiting:
+            del self.finishing[key]
+        self.send_released(self.p_finish, "on_finish", built, held)
+
     def send_released(self, event_hook: Callable[..., None] | None, event: str,
-                      request: Any, held: list[BlockInfo]) -> None:
+                      request: Request, held: list[BlockInfo]) -> None:
         """``event_hook`` (the policy's ``on_finish`` or ``on_preempt``; None: not
         overridden) with the records of ``held`` still cached; quarantine if it raises."""
         if event_hook is None:
             return
         live = [r for r in held if self.records[r.block_id] is r]
         try:
-            event_hook(self.kvevict_request(request), live, self.clock())
+            event_hook(request, live, self.clock())
         except Exception as exc:
             self.quarantine(event, None, exc)
 
@@ -911,7 +936,10 @@ class KVEvictBlockPool(BlockPool):
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
         super().free_blocks(blocks)
-        self.tier.released([b for b in blocks if b.pool is None or b.pool is self])
+        tier = self.tier
+        tier.released([b for b in blocks if b.pool is None or b.pool is self])
+        if tier.finishing:
+            tier.freed(blocks)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         tier = self.tier
@@ -1031,6 +1059,18 @@ class KVEvictKVCacheManager(KVCacheManager):
             tier.request = None
             if not preempting:
                 tier.finish(request)
+
+    def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
+        """vLLM's deferred free (``Scheduler._free_request_blocks`` while a step in flight
+        may still write the blocks): the blocks leave the request now and reach
+        ``free_blocks`` later. A preemption sends ``on_preempt`` now, as `free` does; a
+        finish sends ``on_finish`` once they are released (`GPUTier.freed`)."""
+        tier = self.tier
+        preempting = request.status == RequestStatus.RUNNING and tier.preempt(request)
+        blocks = super().pop_blocks_for_free(request)
+        if not preempting:
+            tier.finish(request, blocks)
+        return blocks
 
 
 def _write_all_metrics() -> None:
