@@ -113,6 +113,37 @@ def queue_state(mgr):
             for b in mgr.block_pool.free_block_queue.get_all_free_blocks()]
 
 
+class RequestEvents(LRU):
+    """LRU logging its request events: (event, request id, block ids..., candidates then)."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def note(self, name, request, *lists):
+        self.events.append((name, request.request_id,
+                            *[[b.block_id for b in x] for x in lists], len(self)))
+
+    def on_begin(self, request, hits, new, now):
+        self.note("begin", request, hits, new)
+
+    def on_resume(self, request, hits, new, now):
+        self.note("resume", request, hits, new)
+
+    def on_preempt(self, request, blocks, now):
+        self.note("preempt", request, blocks)
+
+    def on_finish(self, request, blocks, now):
+        self.note("finish", request, blocks)
+
+
+def allocate_slots(mgr, req):
+    """One request's lookup and allocation, as the scheduler makes them; its hit tokens."""
+    blocks, computed, _ = mgr.get_computed_blocks(req)
+    assert mgr.allocate_slots(req, req.num_tokens - computed, computed, blocks) is not None
+    return computed
+
+
 A = list(range(1, 50))  # 3 full blocks of 16 and one token
 B = list(range(100, 133))  # 2 full blocks and one token
 SCRIPT = [A, B, A[:33], list(range(200, 233)), A]
@@ -167,59 +198,32 @@ def test_a_preemption_sends_on_preempt_and_its_resume_on_resume(g):
     assert source.index("_free_request_blocks(request)") < source.index(
         "request.status = RequestStatus.PREEMPTED")
 
-    class Events(LRU):
-        def __init__(self):
-            super().__init__()
-            self.events = []
-
-        def note(self, name, request, *lists):
-            self.events.append((name, request.request_id,
-                                *[[b.block_id for b in x] for x in lists]))
-
-        def on_begin(self, request, hits, new, now):
-            self.note("begin", request, hits, new)
-
-        def on_resume(self, request, hits, new, now):
-            self.note("resume", request, hits, new)
-
-        def on_preempt(self, request, blocks, now):
-            self.note("preempt", request, blocks)
-            self.events.append(("candidates then", len(self)))
-
-        def on_finish(self, request, blocks, now):
-            self.note("finish", request, blocks)
-
-    policy = Events()
+    policy = RequestEvents()
     mgr, tier = manager(g, policy, capacity=8)
     hasher = g.replay.block_hasher(BS)
 
-    def allocate(req):
-        blocks, computed, _ = mgr.get_computed_blocks(req)
-        assert mgr.allocate_slots(req, req.num_tokens - computed, computed, blocks) is not None
-        return computed
-
     a = g.Request("a", A, g.SamplingParams(max_tokens=1), None, block_hasher=hasher)
     b = g.Request("b", B, g.SamplingParams(max_tokens=1), None, block_hasher=hasher)
-    assert allocate(a) == 0
+    assert allocate_slots(mgr, a) == 0
     a.status = RequestStatus.RUNNING
     mgr.free(a)  # as _preempt_request frees it
     a.status = RequestStatus.PREEMPTED
-    assert allocate(a) == 48  # its three full blocks
+    assert allocate_slots(mgr, a) == 48  # its three full blocks
     a.status = RequestStatus.FINISHED_STOPPED
     mgr.free(a)
-    assert allocate(b) == 0
+    assert allocate_slots(mgr, b) == 0
     b.status = RequestStatus.RUNNING
     mgr.free(b)
     b.status = RequestStatus.FINISHED_ABORTED
     mgr.free(b)  # aborted while preempted
-    assert policy.events == [
-        ("begin", "a", [], [1, 2, 3]),  # its fourth block is partial: not cached
-        ("preempt", "a", [1, 2, 3]), ("candidates then", 0),  # still held
-        ("resume", "a", [1, 2, 3], []),
-        ("finish", "a", [1, 2, 3]),
-        ("begin", "b", [], [4, 5]),
-        ("preempt", "b", [4, 5]), ("candidates then", 1),  # a's leaf, 3
-        ("finish", "b", []),
+    assert policy.events == [  # each with the number of candidates then
+        ("begin", "a", [], [1, 2, 3], 0),  # its fourth block is partial: not cached
+        ("preempt", "a", [1, 2, 3], 0),  # still held
+        ("resume", "a", [1, 2, 3], [], 0),
+        ("finish", "a", [1, 2, 3], 1),
+        ("begin", "b", [], [4, 5], 1),
+        ("preempt", "b", [4, 5], 1),  # a's leaf, 3
+        ("finish", "b", [], 2),
     ]
     assert tier.begun == {} and tier.preempted == set()
     tier.check()
@@ -244,55 +248,29 @@ def test_a_deferred_free_sends_its_events_as_a_free_does(g):
     assert "self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))" in \
         inspect.getsource(Scheduler._drain_deferred_frees)
 
-    class Events(LRU):
-        def __init__(self):
-            super().__init__()
-            self.events = []
-
-        def note(self, name, request, *lists):
-            self.events.append((name, request.request_id,
-                                *[[b.block_id for b in x] for x in lists], len(self)))
-
-        def on_begin(self, request, hits, new, now):
-            self.note("begin", request, hits, new)
-
-        def on_resume(self, request, hits, new, now):
-            self.note("resume", request, hits, new)
-
-        def on_preempt(self, request, blocks, now):
-            self.note("preempt", request, blocks)
-
-        def on_finish(self, request, blocks, now):
-            self.note("finish", request, blocks)
-
-    policy = Events()
+    policy = RequestEvents()
     mgr, tier = manager(g, policy, capacity=10)
     hasher = g.replay.block_hasher(BS)
-
-    def allocate(req):
-        blocks, computed, _ = mgr.get_computed_blocks(req)
-        assert mgr.allocate_slots(req, req.num_tokens - computed, computed, blocks) is not None
-        return computed
 
     a = g.Request("a", A, g.SamplingParams(max_tokens=1), None, block_hasher=hasher)
     b = g.Request("b", B, g.SamplingParams(max_tokens=1), None, block_hasher=hasher)
     c = g.Request("c", A[:33], g.SamplingParams(max_tokens=1), None, block_hasher=hasher)
-    assert allocate(a) == 0
+    assert allocate_slots(mgr, a) == 0
     a.status = RequestStatus.FINISHED_STOPPED
     popped_a = mgr.pop_blocks_for_free(a)  # deferred: its blocks are still held
     assert [blk.block_id for blk in popped_a] == [1, 2, 3, 4]
-    assert allocate(c) == 32  # a later request hits them meanwhile
-    assert allocate(b) == 0
+    assert allocate_slots(mgr, c) == 32  # a later request hits them meanwhile
+    assert allocate_slots(mgr, b) == 0
     b.status = RequestStatus.RUNNING
     popped_b = mgr.pop_blocks_for_free(b)  # a deferred preemption
     mgr.block_pool.free_blocks(reversed(popped_a))  # the fence of a's step has passed
     b.status = RequestStatus.PREEMPTED
     mgr.block_pool.free_blocks(reversed(popped_b))
-    assert allocate(b) == 32
+    assert allocate_slots(mgr, b) == 32
     c.status = b.status = RequestStatus.FINISHED_STOPPED
     mgr.free(c)
     mgr.free(b)
-    assert policy.events == [
+    assert policy.events == [  # each with the number of candidates then
         ("begin", "a", [], [1, 2, 3], 0),
         ("begin", "c", [1, 2], [], 0),
         ("begin", "b", [], [6, 7], 0),
