@@ -39,12 +39,15 @@ With memory tiers there is a fourth part, *reload* (`RequestState.reload_time`):
 given ``transfers`` (the simulator's `kvevict.run.TierTransfers`) asks it, when a request is
 admitted, when the KV it reloaded from a lower tier, and any block of its cached prefix that
 another request's reload is still bringing in, has arrived over the link. Until then the
-request holds its seat and the blocks it hit or reloads but runs nothing (as vLLM's
-asynchronous KV loads keep a request waiting for its remote KV while the batch goes on). Its
-uncached rest is allocated only once the load is in, in the first pass after it ends, as a
-running request's next prefill chunk: a block no step has computed is never in the cache for
-another request (or for the request itself, preempted meanwhile) to hit. The time between
-the end of the load and that pass is waiting for compute.
+request holds the blocks it hit or reloads but runs nothing, and takes no seat of
+``max_num_seqs``, as in vLLM: an asynchronous KV load leaves the request waiting
+(``WAITING_FOR_REMOTE_KVS``) with no new work allocated while the batch goes on, and a
+request takes a seat only once it runs. Once the load is in, it takes a seat in the first
+pass that has one, ahead of the queue (vLLM puts it back at the queue's front), and its
+uncached rest is allocated then, as a running request's next prefill chunk: a block no step
+has computed is never in the cache for another request (or for the request itself, preempted
+meanwhile) to hit. The time between the end of the load and that pass is waiting for
+compute.
 
 So ``ttft = wait_memory + wait_compute + prefill_time + reload_time`` (up to floating-point
 rounding of the clock differences), and ``queue_wait = wait_memory + wait_compute``.
@@ -337,6 +340,9 @@ class Scheduler:
         self.transfers = transfers
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
+        #: requests of ``running`` admitted to wait for a reload that have not run yet
+        #: (``ready_at`` set): they take no seat
+        self.loading = 0
         self.finished: list[RequestState] = []
         self.steps = 0
         #: seconds the executor spent on steps (the run's busy time)
@@ -401,7 +407,9 @@ class Scheduler:
         else:  # fewest processed tokens: cheapest to recompute (arXiv 2411.07447)
             victim = min(candidates, key=lambda s: (s.seq.num_tokens, -s.arrival))  # type: ignore[union-attr]
         self.manager.preempt(victim.request_id)
-        victim.ready_at = None  # a load under way is wasted
+        if victim.ready_at is not None:  # a load under way is wasted
+            victim.ready_at = None
+            self.loading -= 1
         now = self.clock()
         victim.enter("memory", now, self._queue_memory_at(now))  # it waits to resume
         victim.status = "preempted"
@@ -488,7 +496,7 @@ class Scheduler:
         deferred: list[RequestState] = []
         preempted_before = self.preemptions
         reason = "compute"  # why the requests this pass does not reach wait
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while self.waiting and budget > 0 and self.seated() < cfg.max_num_seqs:
             if self.preemptions != preempted_before:
                 reason = "memory"
                 break  # admitting made room by preempting: stop, or the two would cycle
@@ -543,6 +551,7 @@ class Scheduler:
                 ready = self.transfers.admitted(state, seq, pool_hits, now)
                 if loads:  # its rest is allocated and run once the load is in (`_loaded`)
                     state.ready_at = ready
+                    self.loading += 1
                     spent = self._loaded(state, plan, budget, now, memory, scheduled)
                     if spent is not None:
                         budget -= spent
@@ -566,11 +575,16 @@ class Scheduler:
             scheduled.add(state.request_id)  # in this step's plan: not to be preempted now
             budget -= computed
         self._queue_reason = reason
-        if self.waiting and (reason == "memory" or len(self.running) >= cfg.max_num_seqs):
+        if self.waiting and (reason == "memory" or self.seated() >= cfg.max_num_seqs):
             self._at_limit(plan)
         for state in reversed(deferred):
             self.waiting.appendleft(state)
         return plan
+
+    def seated(self) -> int:
+        """Running requests that hold a seat of ``max_num_seqs``: all but those waiting to
+        run after a reload."""
+        return len(self.running) - self.loading
 
     def _at_limit(self, plan: StepPlan) -> None:
         """Count ``plan`` as a step at the box's limit (`limit_steps`) when it decodes."""
@@ -581,17 +595,17 @@ class Scheduler:
     def _loaded(self, state: RequestState, plan: StepPlan, budget: int, now: float,
                 memory: float, scheduled: set[Any]) -> int | None:
         """A request admitted to wait for a reload: still loading, it waits (``reload``);
-        loaded, it allocates and runs its first chunk of what is uncached (or, a resumed
-        sequence fully cached, its decode) when the step's budget holds it, and waits for
-        compute from the end of the load otherwise. Returns the budget spent, or None when
-        nothing ran."""
+        loaded, it takes a seat and allocates and runs its first chunk of what is uncached (or,
+        a resumed sequence fully cached, its decode) when a seat is free and the step's budget
+        holds it, and waits for compute from the end of the load otherwise. Returns the budget
+        spent, or None when nothing ran."""
         ready = state.ready_at
         assert ready is not None and state.seq is not None
         if ready > now:
             state.enter("reload", now, memory)
             return None
         state.enter("compute", ready, memory)  # loaded at ``ready``; since then, compute
-        if budget <= 0:
+        if budget <= 0 or self.seated() >= self.config.max_num_seqs:
             return None
         seq = state.seq
         pending = seq.num_pending
@@ -601,6 +615,7 @@ class Scheduler:
             if not self._schedule_decode(state, plan, scheduled):
                 return None
             state.ready_at = None
+            self.loading -= 1
             scheduled.add(state.request_id)
             return 1
         start = seq.num_tokens
@@ -613,6 +628,7 @@ class Scheduler:
                 state, lambda: self.manager.prefill(seq.seq_id, n), scheduled):
             return None  # preempted itself to make room
         state.ready_at = None
+        self.loading -= 1
         self._plan_prefill(state, plan, start, start + n, samples, real, computed, now, memory)
         scheduled.add(state.request_id)
         return computed

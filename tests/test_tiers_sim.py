@@ -111,6 +111,23 @@ def test_a_block_no_step_has_computed_is_not_in_the_cache():
     assert summary["recomputed_prefill_tokens"] == 3
 
 
+def test_a_request_loading_its_kv_takes_no_seat():
+    # one seat. a2 reloads blocks 0..3 from the host (100 -> 104.5) and takes no seat while
+    # it waits, as in vLLM (WAITING_FOR_REMOTE_KVS): d, a fresh one-block prompt at 100.5,
+    # takes the seat and prefills (4 s). At 104.5 a2's KV is in but d still holds the seat
+    # for its second token (0.5 s); a2 takes it at 105 and prefills its new block (4 s).
+    # Before, a2 held the seat from 100: d waited for a2's first token at 108.5 and had
+    # its own at 112.5.
+    requests = warm_up() + [req("a2", 100.0, (0, 4), (300, 1)),
+                            req("d", 100.5, (700, 1), out=2)]
+    _, recs = run(requests, seqs=1)
+    a2, d = recs["a2"], recs["d"]
+    assert (d.ttft, d.prefill_s, d.wait_compute) == (4.0, 4.0, 0.0)
+    assert d.arrival + d.ttft == 104.5 and d.finish == 105.0
+    assert a2.reload_s == pytest.approx(4.5) and a2.wait_compute == pytest.approx(0.5)
+    assert a2.prefill_s == pytest.approx(4.0) and a2.arrival + a2.ttft == pytest.approx(109.0)
+
+
 def test_free_bandwidth_would_not_queue():
     # the same two reloads a minute apart: nothing to queue behind, 4.5 s each
     requests = warm_up() + [req("a2", 100.0, (0, 4), (300, 1)),
