@@ -437,11 +437,14 @@ class GPUTier:
             held.extend(self.call_new)
 
     def preempt(self, request: Any) -> bool:
-        """``request`` is about to be freed while running: vLLM's scheduler preempts it
-        (``_preempt_request`` frees a request whose status is still RUNNING; a finished
-        one's is FINISHED_* by then). ``on_preempt`` with the cached blocks it holds, before
-        they are released; its next first ``allocate_slots`` sends ``on_resume``. False
-        (and nothing sent) if it never got its slots: its free is then a finish."""
+        """``request`` is about to be freed: if it is still RUNNING, vLLM's scheduler
+        preempts it (``_preempt_request`` frees a request whose status is still RUNNING; a
+        finished one's is FINISHED_* by then). ``on_preempt`` with the cached blocks it
+        holds, before they are released; its next first ``allocate_slots`` sends
+        ``on_resume``. False (and nothing sent) if it is not running or never got its
+        slots: its free is then a finish."""
+        if request.status != RequestStatus.RUNNING:
+            return False
         req_id = request.request_id
         held = self.begun.pop(req_id, None)
         if held is None:
@@ -1051,7 +1054,7 @@ class KVEvictKVCacheManager(KVCacheManager):
 
     def free(self, request: Any) -> None:
         tier = self.tier
-        preempting = request.status == RequestStatus.RUNNING and tier.preempt(request)
+        preempting = tier.preempt(request)
         tier.begin_call(request)
         try:
             super().free(request)
@@ -1066,7 +1069,7 @@ class KVEvictKVCacheManager(KVCacheManager):
         ``free_blocks`` later. A preemption sends ``on_preempt`` now, as `free` does; a
         finish sends ``on_finish`` once they are released (`GPUTier.freed`)."""
         tier = self.tier
-        preempting = request.status == RequestStatus.RUNNING and tier.preempt(request)
+        preempting = tier.preempt(request)
         blocks = super().pop_blocks_for_free(request)
         if not preempting:
             tier.finish(request, blocks)
