@@ -407,9 +407,7 @@ class Scheduler:
         else:  # fewest processed tokens: cheapest to recompute (arXiv 2411.07447)
             victim = min(candidates, key=lambda s: (s.seq.num_tokens, -s.arrival))  # type: ignore[union-attr]
         self.manager.preempt(victim.request_id)
-        if victim.ready_at is not None:  # a load under way is wasted
-            victim.ready_at = None
-            self.loading -= 1
+        self._unload(victim)  # a load under way is wasted
         now = self.clock()
         victim.enter("memory", now, self._queue_memory_at(now))  # it waits to resume
         victim.status = "preempted"
@@ -581,6 +579,12 @@ class Scheduler:
             self.waiting.appendleft(state)
         return plan
 
+    def _unload(self, state: RequestState) -> None:
+        """``state`` no longer waits to run after a reload (it runs, or was preempted)."""
+        if state.ready_at is not None:
+            state.ready_at = None
+            self.loading -= 1
+
     def seated(self) -> int:
         """Running requests that hold a seat of ``max_num_seqs``: all but those waiting to
         run after a reload."""
@@ -614,8 +618,7 @@ class Scheduler:
         if n == 0 and not samples:  # a resumed sequence, fully cached: decode
             if not self._schedule_decode(state, plan, scheduled):
                 return None
-            state.ready_at = None
-            self.loading -= 1
+            self._unload(state)
             scheduled.add(state.request_id)
             return 1
         start = seq.num_tokens
@@ -627,8 +630,7 @@ class Scheduler:
         if n and not self._grow_running(
                 state, lambda: self.manager.prefill(seq.seq_id, n), scheduled):
             return None  # preempted itself to make room
-        state.ready_at = None
-        self.loading -= 1
+        self._unload(state)
         self._plan_prefill(state, plan, start, start + n, samples, real, computed, now, memory)
         scheduled.add(state.request_id)
         return computed
