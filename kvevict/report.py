@@ -154,11 +154,16 @@ POLICY_STYLES: dict[str, tuple[str, str]] = {
     "belady": ("#000000", "*"),
     "reuse-oracle": ("#3c5488", "p"),
     "horizon-oracle": ("#00a087", "h"),
+    "learned": ("#e7298a", "X"),
+    "s3fifo": ("#17becf", "<"),
+    "arc": ("#bcbd22", ">"),
+    "gdsf": ("#7f7f7f", "d"),
+    "slru": ("#a6761d", "8"),
+    "2q": ("#66a61e", "H"),
 }
-#: Colours and markers for other names, disjoint from the fixed ones; a name picks one of each
-#: by its SHA-256 digest (the same in every process, unlike Python's ``hash``).
-PALETTE: tuple[str, ...] = ("#e377c2", "#bcbd22", "#17becf", "#7f7f7f", "#1b9e77", "#d95f02",
-                            "#7570b3", "#e7298a", "#66a61e", "#a6761d", "#393b79", "#637939")
+#: Colours for other names, disjoint from the fixed ones, and markers; a name picks one of
+#: each by its SHA-256 digest (the same in every process, unlike Python's ``hash``).
+PALETTE: tuple[str, ...] = ("#e377c2", "#d95f02", "#7570b3", "#393b79", "#637939")
 MARKERS: tuple[str, ...] = ("X", "h", "<", ">", "p", "d", "8", "H")
 
 

@@ -334,17 +334,24 @@ def test_builtin_policies_have_fixed_distinct_styles():
     assert report.policy_style("lru") == {"color": "#1f77b4", "marker": "o", "linestyle": "-"}
     assert report.policy_style("belady") == {"color": "#000000", "marker": "*",
                                              "linestyle": ":"}
+    assert report.policy_style("learned") == {"color": "#e7298a", "marker": "X",
+                                              "linestyle": "-"}
     styles = [report.POLICY_STYLES[p] for p in report.POLICY_STYLES]
     assert len({c for c, _ in styles}) == len({m for _, m in styles}) == len(styles)
+    # every policy and oracle kvevict registers has one, so no two lines of a replay plot
+    # share a colour
+    assert set(report.POLICY_STYLES) == {
+        "2q", "arc", "bayes", "belady", "dbms", "gdsf", "horizon-oracle", "learned", "lfu",
+        "lru", "market", "pinned", "reuse-oracle", "s3fifo", "slru"}
 
 
 def test_other_names_hash_deterministically_into_a_separate_palette():
-    style = report.policy_style("s3fifo")
-    assert style == {"color": "#e377c2", "marker": ">", "linestyle": "-"}  # golden
+    style = report.policy_style("my-policy")
+    assert style == {"color": "#393b79", "marker": "H", "linestyle": "-"}  # golden
     builtin = {c for c, _ in report.POLICY_STYLES.values()}
-    for name in ("s3fifo", "arc", "my-policy", "x" * 40):
+    for name in ("my-policy", "lru2", "x" * 40):
         assert report.policy_style(name)["color"] not in builtin
-    code = "from kvevict.report import policy_style; print(policy_style('s3fifo'))"
+    code = "from kvevict.report import policy_style; print(policy_style('my-policy'))"
     seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"  # not this process's
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout
