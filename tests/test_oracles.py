@@ -439,4 +439,3 @@ def test_replay_figure_draws_each_row_in_its_fixed_style():
     assert lines["infinite cache (0.600)"].get_linestyle() == ":"
     with pytest.raises(ConfigError, match="at least one row"):
         report.replay_figure([], "t")
-
