@@ -524,13 +524,13 @@ class KVCacheManager:
             self._allocate_to(seq, target, now, "prefill")
             if self._on_admitted is not None:
                 self._on_admitted(seq.request, now)
-            started = self._on_begin if begin else self._on_resume
+            started, event = ((self._on_begin, "on_begin") if begin
+                              else (self._on_resume, "on_resume"))
             if started is not None:
                 try:
                     cached = seq.cached_blocks
                     started(seq.request, cached[:num_hit], cached[num_hit:], now)
                 except Exception as exc:
-                    event = "on_begin" if begin else "on_resume"
                     raise self._policy_error(event, None, exc) from exc
         except BaseException:
             # undo: uncache what this call cached, release what the sequence holds (the hits
