@@ -35,7 +35,8 @@ import attrs
 from kvevict.errors import ConfigError
 from kvevict.layout import KVLayout, preset
 
-__all__ = ["MODEL_PARAMS", "CostModel", "check_block_size", "check_cost_model"]
+__all__ = ["MODEL_PARAMS", "CostModel", "PrefillLedger", "check_block_size",
+           "check_cost_model"]
 
 #: Parameters per token of forward pass (activated parameters for MoE), from model cards.
 MODEL_PARAMS: dict[str, float] = {
@@ -244,6 +245,39 @@ class CostModel:
             return cls.from_dict(data)
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from None
+
+
+class PrefillLedger:
+    """The prefill compute of a stream of prompts, and what their cached prefixes saved of
+    it, by a `CostModel`: what a cost-aware policy (`market`, `learned`, `gdsf`) optimizes,
+    where a hit ratio counts a shallow block as much as a deep one.
+
+    A prompt of ``n`` tokens of which the first ``c`` were served from the cache costs
+    ``prefill(n - c, c)``; with nothing cached it costs ``prefill(n, 0)`` (``full_s``), and
+    the difference is saved (``saved_s``). The prefill is quadratic in the context, so a
+    hit on a long prompt's prefix saves more than its share of the tokens. A prompt served
+    whole costs nothing (its fixed overhead is saved too). Reload time from a lower tier is
+    not counted here (`kvevict.tiers` counts the bytes moved).
+    """
+
+    __slots__ = ("cost_model", "full_s", "saved_s")
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self.cost_model = cost_model
+        self.full_s = 0.0  #: prefill seconds of every prompt with nothing cached
+        self.saved_s = 0.0  #: of those, what the cached prefixes saved
+
+    def add(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """One prompt of ``prompt_tokens``, the first ``cached_tokens`` served from the
+        cache (0 for a request that could not run)."""
+        if not 0 <= cached_tokens <= prompt_tokens:
+            raise ConfigError(f"cached tokens must be in [0, prompt tokens], got "
+                              f"{cached_tokens} of {prompt_tokens}")
+        prefill = self.cost_model.prefill_seconds
+        full = prefill(prompt_tokens, 0)
+        self.full_s += full
+        if cached_tokens:
+            self.saved_s += full - prefill(prompt_tokens - cached_tokens, cached_tokens)
 
 
 def check_cost_model(cost_model: CostModel | None) -> CostModel:

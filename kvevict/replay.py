@@ -3,7 +3,7 @@
 Semantics (one `KVCacheManager` over a metadata-only `BlockPool` of ``capacity_blocks``):
 
 - requests run **one at a time**, in the order given: ``begin`` then ``finish``, nothing
-  else (no decode appends, no concurrency, no queueing, no cost model);
+  else (no decode appends, no concurrency, no queueing, no timing);
 - a prompt's hit is its longest cached prefix: counting **stops at the first missing
   block**, as in vLLM's and SGLang's prefix caching;
 - the prompt's missing blocks are allocated, evicting candidates through the policy; only
@@ -21,7 +21,14 @@ Semantics (one `KVCacheManager` over a metadata-only `BlockPool` of ``capacity_b
   caches, so nothing is evicted and no request is rejected (its row is the same at every
   size);
 - a request larger than the whole pool cannot run: its blocks count as misses, the cache is
-  left as it was, and it is counted in ``rejected``; it is no one's next use.
+  left as it was, and it is counted in ``rejected``; it is no one's next use;
+- besides the hits, each cell adds up the prefill compute its hits saved, by a
+  `kvevict.cost.CostModel` (``cost_model=``, default `CostModel()`: the cost the value-aware
+  policies price with): per request, ``prefill(n, 0) - prefill(n - c, c)`` for a prompt of
+  ``n`` tokens with ``c`` cached (`kvevict.cost.PrefillLedger`). Prefill is quadratic in the
+  context, so this weighs a deep block's hit above a shallow one's, as the cost-aware
+  policies do: ``prefill_saved_ratio`` is what they optimize, the block hit ratio what LRU
+  does.
 
 **Scale.** The requests are consumed lazily, one at a time: any iterable works (a list, a
 generator, a `kvevict.workloads.TraceFile` or ``iter_mooncake(path)``), and an online
@@ -62,6 +69,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import kvevict.policies  # noqa: F401  (registers the built-in policies)
+from kvevict.cost import CostModel, PrefillLedger, check_cost_model
 from kvevict.errors import ConfigError, OutOfBlocks
 from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy, available_policies
@@ -80,7 +88,7 @@ from kvevict.pool import BlockPool
 from kvevict.tiers import TierStack
 from kvevict.types import ManualClock, Request
 
-__all__ = ["INFINITE", "ORACLES", "ReplayRecord", "ReplayResult", "ReplayTable",
+__all__ = ["INFINITE", "METRICS", "ORACLES", "ReplayRecord", "ReplayResult", "ReplayTable",
            "default_policies", "format_table", "format_tier_table", "horizon_label", "main",
            "open_trace", "replay", "replay_table"]
 
@@ -93,6 +101,9 @@ INFINITE = "infinite"
 
 #: The built-in oracles, weakest first: the order of the oracle rows in a default table.
 ORACLES = ("horizon-oracle", "reuse-oracle", "belady")
+
+#: What a replay table can show (`format_table`, ``--metric``): `ReplayResult` attributes.
+METRICS = ("block_hit_ratio", "token_hit_ratio", "prefill_saved_ratio", "evictions", "hits")
 
 
 def horizon_label(horizon: float) -> str:
@@ -148,6 +159,11 @@ class ReplayResult:
     #: ``hits`` above is their sum) and the `kvevict.tiers.TierStats` counters (bytes read
     #: and written per tier, demotions, drops by reason)
     tiers: dict[str, Any] | None = None
+    #: prefill seconds of every request's prompt with nothing cached, by the replay's cost
+    #: model (`kvevict.cost.PrefillLedger`; rejected requests included)
+    prefill_s: float = 0.0
+    #: of those, the seconds the cached prefixes saved
+    prefill_saved_s: float = 0.0
 
     @property
     def tier_hit_ratios(self) -> dict[str, float]:
@@ -166,11 +182,18 @@ class ReplayResult:
         """``token_hits / token_queries`` (0 when there were none)."""
         return self.token_hits / self.token_queries if self.token_queries else 0.0
 
+    @property
+    def prefill_saved_ratio(self) -> float:
+        """``prefill_saved_s / prefill_s``: the share of the prefill compute the cache saved
+        (0 when there was none)."""
+        return self.prefill_saved_s / self.prefill_s if self.prefill_s else 0.0
+
     def as_dict(self) -> dict[str, Any]:
-        """Every field (``records`` as a list of dicts, or None) and the two ratios."""
+        """Every field (``records`` as a list of dicts, or None) and the three ratios."""
         out = asdict(self)
         out["block_hit_ratio"] = self.block_hit_ratio
         out["token_hit_ratio"] = self.token_hit_ratio
+        out["prefill_saved_ratio"] = self.prefill_saved_ratio
         return out
 
 
@@ -258,7 +281,8 @@ class _Cell:
 
     def __init__(self, label: str, policy: Policy, capacity_blocks: int, block_size: int,
                  extra_key: Any, check_every: int, records: bool, seconds: float,
-                 closes: bool = False, tiers: TierStack | None = None) -> None:
+                 cost_model: CostModel, closes: bool = False,
+                 tiers: TierStack | None = None) -> None:
         self.label = label
         self.closes = closes
         self.capacity_blocks = capacity_blocks
@@ -271,6 +295,7 @@ class _Cell:
         self.records: list[ReplayRecord] | None = [] if records else None
         self.requests = self.rejected = self.rejected_blocks = self.rejected_tokens = 0
         self.seconds = seconds
+        self.prefill = PrefillLedger(cost_model)
 
     def step(self, index: int, request: Request, t: float) -> None:
         start = _time.perf_counter()
@@ -294,15 +319,18 @@ class _Cell:
                 self.records.append(ReplayRecord(index, request.request_id, blocks, 0,
                                                  tokens, 0, True))
             self.seconds += _time.perf_counter() - start
+            self.prefill.add(tokens, 0)
             return
         manager.finish(seq.seq_id)
+        token_hits = stats.prefix_cache_hits - tokens_before
         if self.records is not None:
             self.records.append(ReplayRecord(
                 index, request.request_id, len(seq.hashes), stats.block_hits - hits_before,
-                request.prompt_len, stats.prefix_cache_hits - tokens_before))
+                request.prompt_len, token_hits))
         if self.check_every and self.requests % self.check_every == 0:
             manager.check()
         self.seconds += _time.perf_counter() - start
+        self.prefill.add(request.prompt_len, token_hits)
 
     def result(self) -> ReplayResult:
         if self.check_every:
@@ -327,6 +355,8 @@ class _Cell:
             seconds=self.seconds,
             records=None if self.records is None else tuple(self.records),
             tiers=tiers,
+            prefill_s=self.prefill.full_s,
+            prefill_saved_s=self.prefill.saved_s,
         )
 
 
@@ -337,10 +367,12 @@ def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dic
          sizes: Sequence[int], block_size: int, time: str, extra_key: Any, check_every: int,
          records: bool, progress: Progress | None,
          workdir: str | os.PathLike[str] | None,
-         tiers: Callable[[], TierStack] | None = None) -> list[ReplayResult]:
+         tiers: Callable[[], TierStack] | None = None,
+         cost_model: CostModel | None = None) -> list[ReplayResult]:
     """Replay every (label, policy, params) of ``cells`` at every size, from one pass over
     ``requests`` (two when Belady streams its future; see the module docstring)."""
     source: Iterable[Request] = requests
+    costs = check_cost_model(cost_model)
     infinite = [label for label, spec, _ in cells if spec == INFINITE]
     cells = [c for c in cells if c[1] != INFINITE]
     if any(_needs_list(spec, params) for _, spec, params in cells):
@@ -359,7 +391,7 @@ def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dic
             if one_shot:
                 source = future.spilled()
         running = [_make_cell(label, spec, params, size, block_size, time, extra_key,
-                              check_every, records, source, future, tiers)
+                              check_every, records, source, future, costs, tiers)
                    for label, spec, params in cells for size in sizes]
         unbounded = []
         if infinite:
@@ -368,7 +400,7 @@ def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dic
             # that is never asked for a victim
             room = future.num_slots + future.max_need + 1
             unbounded = [_Cell(INFINITE, build_policy("lru"), room, block_size, extra_key,
-                               check_every, records, 0.0)]
+                               check_every, records, 0.0, costs)]
             running += unbounded
         axis = _Axis(time)
         count = 0
@@ -399,7 +431,7 @@ def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dic
 
 def _make_cell(label: str, spec: PolicySpec, params: dict[str, Any], size: int,
                block_size: int, time: str, extra_key: Any, check_every: int, records: bool,
-               source: Iterable[Request], future: NextUseFile | None,
+               source: Iterable[Request], future: NextUseFile | None, cost_model: CostModel,
                tiers: Callable[[], TierStack] | None = None) -> _Cell:
     start = _time.perf_counter()
     stack = None if tiers is None else _stack_of(tiers)
@@ -411,7 +443,7 @@ def _make_cell(label: str, spec: PolicySpec, params: dict[str, Any], size: int,
         policy: Policy = cls.from_next_uses(future, size, time=time,  # type: ignore
                                             **params)
         return _Cell(label, policy, size, block_size, extra_key, check_every, records,
-                     _time.perf_counter() - start, closes=True, tiers=stack)
+                     _time.perf_counter() - start, cost_model, closes=True, tiers=stack)
     if _needs_list(spec, params):
         reqs = source if isinstance(source, list) else list(source)  # a list (see _run)
         axis = _Axis(time)
@@ -424,7 +456,7 @@ def _make_cell(label: str, spec: PolicySpec, params: dict[str, Any], size: int,
     else:
         policy = build_policy(spec, params)
     return _Cell(label, policy, size, block_size, extra_key, check_every, records,
-                 _time.perf_counter() - start, tiers=stack)
+                 _time.perf_counter() - start, cost_model, tiers=stack)
 
 
 def _stack_of(tiers: Callable[[], TierStack]) -> TierStack:
@@ -450,7 +482,8 @@ def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int
            block_size: int = 512, *, time: str = "index", extra_key: Any = None,
            check_every: int = 0, label: str | None = None, records: bool = False,
            progress: Progress | None = None, workdir: str | os.PathLike[str] | None = None,
-           tiers: Callable[[], TierStack] | None = None, **policy_params: Any) -> ReplayResult:
+           tiers: Callable[[], TierStack] | None = None, cost_model: CostModel | None = None,
+           **policy_params: Any) -> ReplayResult:
     """Replay ``requests`` through one policy at one pool size (semantics: module docstring).
 
     Args:
@@ -478,6 +511,9 @@ def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int
         tiers: a zero-argument factory returning a fresh `kvevict.tiers.TierStack`
             (metadata-only): blocks evicted from the pool are demoted there and a hit there
             is a reload, counted by tier in `ReplayResult.tiers`.
+        cost_model: the prefill cost of `ReplayResult.prefill_s` and ``prefill_saved_s``
+            (default `CostModel()`); it does not reach the policy (give a value-aware
+            policy its own ``cost_model`` in ``policy_params``).
         policy_params: parameters of a policy given by name.
     """
     _positive_int("capacity_blocks", capacity_blocks)
@@ -487,10 +523,11 @@ def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int
     _check_source(requests)
     _check_time(time)
     _check_spec(policy, policy_params)
+    costs = check_cost_model(cost_model)
     name = label if label is not None else _label(policy)
     (result,) = _run(requests, [(name, policy, dict(policy_params))], [capacity_blocks],
                      block_size, time, extra_key, check_every, records, progress, workdir,
-                     tiers)
+                     tiers, costs)
     return result
 
 
@@ -527,7 +564,8 @@ def replay_table(requests: Iterable[Request],
                  progress: Progress | None = None,
                  workdir: str | os.PathLike[str] | None = None,
                  horizons: Iterable[float] | None = None,
-                 tiers: Callable[[], TierStack] | None = None) -> ReplayTable:
+                 tiers: Callable[[], TierStack] | None = None,
+                 cost_model: CostModel | None = None) -> ReplayTable:
     """Replay every policy at every capacity, all from one pass over ``requests`` (two with
     an oracle or the infinite cache), each cell as `replay` would.
 
@@ -552,6 +590,7 @@ def replay_table(requests: Iterable[Request],
             does not name it, after the last policy that is not `INFINITE`. None: only the
             row of the default H, if the list names it.
         tiers: as for `replay` (a fresh stack per cell; the infinite cache has none).
+        cost_model: as for `replay`.
     """
     _check_source(requests)
     if policies is None:  # the online policies, then the oracles and the infinite cache
@@ -576,8 +615,9 @@ def replay_table(requests: Iterable[Request],
     sizes = [_positive_int("capacity", c) for c in capacities]
     _positive_int("block_size", block_size)
     _check_time(time)
+    costs = check_cost_model(cost_model)
     results = _run(requests, cells, sizes, block_size, time, extra_key, 0, records, progress,
-                   workdir, tiers)
+                   workdir, tiers, costs)
     return ReplayTable([lbl for lbl, _, _ in cells], sizes, results)
 
 
@@ -609,9 +649,8 @@ def _with_horizons(cells: list[tuple[str, PolicySpec, dict[str, Any]]],
 
 def format_table(table: ReplayTable, metric: str = "block_hit_ratio", digits: int = 4) -> str:
     """A Markdown table: one row per policy, one column per pool size."""
-    if metric not in ("block_hit_ratio", "token_hit_ratio", "evictions", "hits"):
-        raise ConfigError(f"metric must be block_hit_ratio, token_hit_ratio, evictions or "
-                          f"hits, got {metric!r}")
+    if metric not in METRICS:
+        raise ConfigError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
     header = "| policy | " + " | ".join(f"{c:,} blocks" for c in table.capacities) + " |"
     rule = "|---|" + "---:|" * len(table.capacities)
     lines = [header, rule]
@@ -740,7 +779,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--time", choices=("index", "arrival"), default="index",
                         help="clock axis: request index or arrival seconds")
     parser.add_argument("--metric", default="block_hit_ratio",
-                        choices=("block_hit_ratio", "token_hit_ratio", "evictions", "hits"))
+                        choices=METRICS)
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]

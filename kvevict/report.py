@@ -69,6 +69,7 @@ METRIC_TEXT: dict[str, tuple[str, str, str]] = {
     "recomputed_prefill_tokens": ("recomputed prefill tokens", ",.0f", ""),
     "token_hit_ratio": ("token hit ratio", ".3f", ""),
     "block_hit_ratio": ("block hit ratio", ".3f", ""),
+    "prefill_saved_ratio": ("share of prefill compute saved", ".3f", ""),
 }
 
 #: The mark on latency columns of a run whose offered load is unstable (ρ ≥ 1).

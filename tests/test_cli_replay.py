@@ -66,7 +66,7 @@ def test_replay_prints_the_library_table_and_writes_results_json(capsys, head, t
     assert captured.err == ""  # --quiet
     payload = json.loads((out / "results.json").read_text())
     keys = ("policy", "capacity_blocks", "hits", "accesses", "token_hits", "evictions",
-            "rejected", "records")
+            "rejected", "records", "prefill_s", "prefill_saved_s", "prefill_saved_ratio")
     assert [{k: r[k] for k in keys} for r in payload["results"]] == [
         {k: r[k] for k in keys} for r in table.rows()]
     assert payload["requests"] == HEAD and payload["block_size"] == 512
@@ -74,6 +74,16 @@ def test_replay_prints_the_library_table_and_writes_results_json(capsys, head, t
                                   f"lru,lfu,belady --out {out} --quiet")
     png = (out / "hit_ratio.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def test_replay_metric_prefill_saved_ratio_prints_the_library_table(capsys, head):
+    captured = run(capsys, ["replay", "--trace", str(head), "--sizes", "300,900",
+                            "--policies", "lru,gdsf", "--metric", "prefill_saved_ratio",
+                            "--quiet"])
+    table = replay_table(read_mooncake(head), ["lru", "gdsf"], [300, 900])
+    assert "\n".join(captured.out.splitlines()[1:5]) == format_table(table,
+                                                                      "prefill_saved_ratio")
+    assert table.get("lru", 300).prefill_saved_ratio > 0
 
 
 def test_replay_oracle_rows_horizons_and_the_infinite_cache(capsys, head, tmp_path):

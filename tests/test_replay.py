@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvevict import ConfigError, Request, TraceFormatError, available_policies, make_policy
+from kvevict.cost import CostModel, PrefillLedger
 from kvevict.policies.belady import Belady
 from kvevict.replay import ReplayTable, format_table, main, replay, replay_table
 from kvevict.workloads import (
@@ -38,6 +39,15 @@ GOLDEN = {
     # back does not depend on the axis; within 300 *requests* does
     "reuse-oracle": (0.1229, 0.1995, 0.4022, 0.5904, 0.6396),
     "horizon-oracle": (0.1881, 0.2888, 0.4260, 0.5057, 0.5966),
+}
+
+#: The share of the prefill compute saved (`ReplayResult.prefill_saved_ratio`, the default
+#: `CostModel`) on the bundled trace: what the cost-aware policies price.
+GOLDEN_PREFILL = {
+    "lru": (0.0840, 0.1496, 0.2957, 0.4576, 0.6026),
+    "learned": (0.1003, 0.1571, 0.3491, 0.4984, 0.6436),
+    "gdsf": (0.0940, 0.1988, 0.3366, 0.4767, 0.6283),
+    "market": (0.0953, 0.1640, 0.3093, 0.4567, 0.6026),
 }
 
 TRACE_SHA256 = "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131"
@@ -71,6 +81,18 @@ def test_golden_block_hit_ratios(table):
     for name, golden in GOLDEN.items():
         assert name in ratios, f"{name} is not registered"
         assert [round(r, 4) for r in ratios[name]] == list(golden), name
+
+
+def test_golden_prefill_saved_ratios(table):
+    ratios = table.ratios("prefill_saved_ratio")
+    for name, golden in GOLDEN_PREFILL.items():
+        assert [round(r, 4) for r in ratios[name]] == list(golden), name
+    lru = table.get("lru", 5000)
+    assert lru.prefill_s == pytest.approx(3199.738390451323, rel=1e-12)
+    # the same prompts at every size and for every policy: only the saving differs
+    assert {round(r.prefill_s, 6) for r in table.results} == {round(lru.prefill_s, 6)}
+    assert "| lru | 0.0840 | 0.1496 | 0.2957 | 0.4576 | 0.6026 |" in format_table(
+        table, "prefill_saved_ratio")
 
 
 def test_belady_at_or_above_every_online_policy(table):
@@ -395,6 +417,58 @@ def test_records_hold_each_request_and_add_up():
                                               "block_hits": 2, "tokens": 12, "token_hits": 8,
                                               "rejected": False}
     assert replay(reqs, "lru", 3, 4).records is None
+
+
+def test_prefill_saved_weighs_a_deep_hit_by_its_attention_context():
+    """Two prompts of 512-token blocks, the second extending the first by a block: its
+    1,024 cached tokens save their linear cost and the attention over them, and the
+    uncached block still attends to them (hand-computed)."""
+    reqs = [Request(0, block_hashes=[1, 2], num_tokens=1024),
+            Request(1, block_hashes=[1, 2, 3], num_tokens=1536)]
+    attn = CostModel(linear_s_per_token=0.0, attn_s_per_pair=1.0, prefill_overhead_s=0.0)
+    result = replay(reqs, "lru", 8, 512, cost_model=attn)
+    # prefill(n, c) = n * (c + (n + 1) / 2) pairs
+    assert result.prefill_s == 1024 * 1025 / 2 + 1536 * 1537 / 2  # 524,800 + 1,180,416
+    assert result.prefill_saved_s == 1536 * 1537 / 2 - 512 * (1024 + 513 / 2)  # 524,800
+    assert result.prefill_saved_ratio == pytest.approx(524_800 / 1_705_216, rel=1e-15)
+    # .308 of the compute against .4 of the tokens: the uncached last block, attending to
+    # the most context, is the dearest one
+    assert result.token_hit_ratio == 1024 / 2560
+    # linear cost only: the saved share is the token hit ratio
+    linear = CostModel(linear_s_per_token=1.0, attn_s_per_pair=0.0, prefill_overhead_s=0.0)
+    assert replay(reqs, "lru", 8, 512, cost_model=linear).prefill_saved_ratio == 0.4
+    # the cost model reaches the ledger, not the policy: the hits are the same
+    assert replay(reqs, "lru", 8, 512).hits == result.hits == 2
+
+
+def test_a_rejected_request_costs_its_whole_prefill_and_saves_nothing():
+    reqs = _small()
+    cm = CostModel()
+    result = replay(reqs, "lru", 3, 4, records=True, cost_model=cm)
+    ledger = PrefillLedger(cm)
+    for r in result.records:
+        ledger.add(r.tokens, r.token_hits)
+    assert (result.prefill_s, result.prefill_saved_s) == (ledger.full_s, ledger.saved_s)
+    rejected = [r for r in result.records if r.rejected]
+    assert rejected and all(r.token_hits == 0 for r in rejected)
+    assert result.prefill_s == pytest.approx(sum(cm.prefill_seconds(r.tokens)
+                                                 for r in result.records), rel=1e-12)
+
+
+def test_prefill_ledger_and_cost_model_errors():
+    ledger = PrefillLedger(CostModel(linear_s_per_token=1.0, attn_s_per_pair=0.0,
+                                     prefill_overhead_s=2.0))
+    ledger.add(10, 10)  # served whole: the overhead is saved too
+    assert (ledger.full_s, ledger.saved_s) == (12.0, 12.0)
+    with pytest.raises(ConfigError, match=r"cached tokens must be in \[0, prompt tokens\], "
+                                          r"got 11 of 10"):
+        ledger.add(10, 11)
+    assert (ledger.full_s, ledger.saved_s) == (12.0, 12.0)  # nothing counted
+    with pytest.raises(ConfigError, match="cost_model must be a CostModel, got dict"):
+        replay(_small(), "lru", 3, 4, cost_model={})
+    with pytest.raises(ConfigError, match="metric must be one of block_hit_ratio, "
+                                          "token_hit_ratio, prefill_saved_ratio"):
+        format_table(ReplayTable(["lru"], [3]), "seconds")
 
 
 def test_progress_is_called_per_pass():

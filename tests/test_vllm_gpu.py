@@ -315,8 +315,9 @@ def test_lru_equals_stock_vllm_on_mooncake(g):
     for size in (1000, 4000):
         stock = g.replay.replay_gpu(stream, "vllm:lru", size, block_size=512)
         ours = g.replay.replay_gpu(stream, "lru", size, block_size=512, check_every=100)
-        assert (ours.hits, ours.token_hits, ours.evictions) == \
-            (stock.hits, stock.token_hits, stock.evictions)
+        assert (ours.hits, ours.token_hits, ours.evictions, ours.prefill_saved_s) == \
+            (stock.hits, stock.token_hits, stock.evictions, stock.prefill_saved_s)
+        assert stock.prefill_saved_s > 0
         tree = replay(reqs, "lru", size, 512)
         # vLLM looks up full blocks only (14,273); kvevict's hash mode every listed id, the
         # partial last one too (14,873), which also takes pool space

@@ -46,11 +46,11 @@ from kvevict.cli.common import (
 )
 from kvevict.errors import ConfigError
 from kvevict.policies.oracles import DEFAULT_HORIZON
+from kvevict.replay import METRICS
 
 __all__ = ["DEFAULT_SIZES", "ENGINES", "add_parser", "replay_command"]
 
 DEFAULT_SIZES = (1000, 2000, 5000, 10000, 20000)
-METRICS = ("block_hit_ratio", "token_hit_ratio", "evictions", "hits")
 #: ``--engine``: kvevict's own block manager, vLLM's real offload-tier manager, or vLLM's
 #: real GPU-tier ``KVCacheManager``.
 ENGINES = ("kvevict", "vllm-offload", "vllm")
@@ -235,8 +235,8 @@ def _offload_policies(args: argparse.Namespace, vllm_policies: tuple[str, ...],
 
 
 def _plot_metric(metric: str) -> str:
-    """The plot's y axis: ``--metric`` when it is a hit ratio, else the block hit ratio."""
-    return metric if metric.endswith("hit_ratio") else "block_hit_ratio"
+    """The plot's y axis: ``--metric`` when it is a ratio, else the block hit ratio."""
+    return metric if metric.endswith("_ratio") else "block_hit_ratio"
 
 
 def replay_command(args: argparse.Namespace) -> int:

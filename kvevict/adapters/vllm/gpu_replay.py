@@ -42,6 +42,7 @@ from kvevict.adapters.vllm import check_table_args
 
 # kvevict's GPU-tier module before vLLM's: it checks vLLM is there (and supported) first
 from kvevict.adapters.vllm.gpu import GPUTier, KVEvictKVCacheManager, gpu_policy
+from kvevict.cost import CostModel, PrefillLedger
 from kvevict.errors import ConfigError
 from kvevict.policies.registry import is_offline
 from kvevict.replay import ReplayRecord, ReplayResult, ReplayTable
@@ -189,7 +190,9 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
 
     Returns:
         A `ReplayResult`: vLLM's token counters, full blocks looked up and hit, cached blocks
-        evicted (hashed blocks minus those still cached at the end), requests rejected.
+        evicted (hashed blocks minus those still cached at the end), requests rejected, and
+        the prefill compute the hits saved by the default `kvevict.cost.CostModel` (as
+        `kvevict.replay` counts it).
     """
     if time not in ("index", "arrival"):
         raise ConfigError(f"time must be 'index' or 'arrival', got {time!r}")
@@ -210,6 +213,7 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
     pool = manager.block_pool
     start = _time.perf_counter()
     accesses = hits = queries = token_hits = rejected = cached = 0
+    prefill = PrefillLedger(CostModel())
     kept: list[ReplayRecord] | None = [] if records else None
     for i, (req, tokens) in enumerate(zip(reqs, stream.tokens)):
         t = float(req.arrival) if time == "arrival" else float(i)
@@ -228,6 +232,7 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
             token_hits += found
             hits += found // block_size
             cached += full - found // block_size
+        prefill.add(vreq.num_tokens, found or 0)
         if kept is not None:
             kept.append(ReplayRecord(i, req_id, full, (found or 0) // block_size,
                                      vreq.num_tokens, found or 0, found is None))
@@ -244,7 +249,8 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
                         requests=len(reqs), accesses=accesses, hits=hits,
                         token_queries=queries, token_hits=token_hits, evictions=evictions,
                         rejected=rejected, seconds=seconds,
-                        records=None if kept is None else tuple(kept))
+                        records=None if kept is None else tuple(kept),
+                        prefill_s=prefill.full_s, prefill_saved_s=prefill.saved_s)
 
 
 def replay_gpu_table(requests: Iterable[Request], policies: Sequence[str],

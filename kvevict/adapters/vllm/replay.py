@@ -36,6 +36,7 @@ from typing import Any
 
 from kvevict.adapters.vllm import check_table_args
 from kvevict.adapters.vllm.offload import KVEvictCachePolicy, offload_policy
+from kvevict.cost import CostModel, PrefillLedger
 from kvevict.errors import ConfigError
 from kvevict.hashing import block_hashes
 from kvevict.replay import ReplayResult, ReplayTable
@@ -176,7 +177,9 @@ def replay_offload(requests: Iterable[Request], policy: str, capacity_chunks: in
             seconds, as the trace gives them).
 
     Returns:
-        A `ReplayResult`; ``rejected`` counts requests whose store was skipped.
+        A `ReplayResult`; ``rejected`` counts requests whose store was skipped; the prefill
+        compute saved (by the default `kvevict.cost.CostModel`) counts each cut request's
+        full chunks, its hit chunks cached.
     """
     if time not in ("index", "arrival"):
         raise ConfigError(f"time must be 'index' or 'arrival', got {time!r}")
@@ -190,11 +193,13 @@ def replay_offload(requests: Iterable[Request], policy: str, capacity_chunks: in
                offload_keys(req)) for i, req in enumerate(reqs)]
     start = _time.perf_counter()
     accesses = hits = skipped = evictions = 0
+    prefill = PrefillLedger(CostModel())
     for i, (t, req_id, keys) in enumerate(stream):
         clock.set(t)
         found, evicted = drive_request(manager, keys, ReqContext(req_id), chunk_tokens)
         accesses += len(keys)
         hits += found
+        prefill.add(len(keys) * chunk_tokens, found * chunk_tokens)
         if evicted is None:
             skipped += 1
         else:
@@ -206,7 +211,8 @@ def replay_offload(requests: Iterable[Request], policy: str, capacity_chunks: in
                         capacity_blocks=capacity_chunks, block_size=chunk_tokens,
                         requests=len(reqs), accesses=accesses, hits=hits,
                         token_queries=accesses * chunk_tokens, token_hits=hits * chunk_tokens,
-                        evictions=evictions, rejected=skipped, seconds=seconds)
+                        evictions=evictions, rejected=skipped, seconds=seconds,
+                        prefill_s=prefill.full_s, prefill_saved_s=prefill.saved_s)
 
 
 def replay_offload_table(requests: Iterable[Request], policies: Sequence[str],
