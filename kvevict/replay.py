@@ -53,6 +53,23 @@ up the rows: the reuse oracle's gain over LRU is what knowing *whether* a block 
 is worth (classification), Belady's over it what knowing *when* adds (timing), and the
 infinite cache bounds them all.
 
+**Is a difference real? Batch means.** A replay is exact, but the trace is one sample of
+traffic: a policy 2% above LRU on it may be below on the next hour's. Each cell therefore
+also keeps its counts in batches of consecutive requests (`ReplayResult.batches`), between
+`MIN_BATCHES` and twice as many of equal size whatever the trace's length (when the list is
+full, neighbours merge and the batch size doubles; a last partial batch joins the last
+one). `compare` pairs two policies batch by batch, as the simulator pairs seeds: the
+interval of the per-batch difference of a metric is the t-interval of the method of batch
+means (Law and Kelton, *Simulation Modeling and Analysis*, 3rd ed., §9.5.3), the same
+batches for both policies, so the traffic's own ups and downs cancel in the difference. It
+assumes batches long against the cache's turnover, so that one batch's state says little
+about the next one's hits. Where they are not (a large pool keeps blocks for longer than a
+batch lasts), consecutive differences are correlated; when their lag-1 autocorrelation
+``r`` is positive the interval is widened by ``sqrt((1 + r) / (1 - r))`` (`lag1_factor`,
+the variance factor of the mean of an AR(1) sequence), so a short batch does not make an
+interval narrower than it should be. A difference whose interval holds 0 is reported as no
+significant difference (``kvevict replay --versus lru``).
+
 Run ``kvevict replay`` (or ``python -m kvevict.replay``) for the Markdown table, e.g.
 ``kvevict replay --time arrival --horizons 30,120,300``.
 """
@@ -85,12 +102,15 @@ from kvevict.policies.registry import (
     online_first,
 )
 from kvevict.pool import BlockPool
+from kvevict.stats import Interval, interval
 from kvevict.tiers import TierStack
 from kvevict.types import ManualClock, Request
 
-__all__ = ["INFINITE", "METRICS", "ORACLES", "ReplayRecord", "ReplayResult", "ReplayTable",
-           "default_policies", "format_table", "format_tier_table", "horizon_label", "main",
-           "open_trace", "replay", "replay_table"]
+__all__ = ["BATCH_FIELDS", "INFINITE", "MAX_LAG1", "METRICS", "MIN_BATCHES", "ORACLES",
+           "Comparison", "ReplayRecord", "ReplayResult", "ReplayTable", "compare",
+           "default_policies", "format_comparison", "format_table", "format_tier_table",
+           "horizon_label", "lag1", "lag1_factor", "main", "open_trace", "replay",
+           "replay_table"]
 
 #: ``progress(phase, requests done)`` is called every this many requests (and at the end).
 PROGRESS_EVERY = 1000
@@ -104,6 +124,17 @@ ORACLES = ("horizon-oracle", "reuse-oracle", "belady")
 
 #: What a replay table can show (`format_table`, ``--metric``): `ReplayResult` attributes.
 METRICS = ("block_hit_ratio", "token_hit_ratio", "prefill_saved_ratio", "evictions", "hits")
+
+#: What each of `ReplayResult.batches` counts, in order.
+BATCH_FIELDS = ("accesses", "hits", "token_queries", "token_hits", "prefill_s",
+                "prefill_saved_s")
+#: A replay keeps between this many batches and twice as many (see the module docstring).
+MIN_BATCHES = 10
+#: The most lag-1 autocorrelation `compare` corrects for (its factor is then 4.36).
+MAX_LAG1 = 0.9
+#: The ratio metrics `compare` pairs: (numerator, denominator) in `BATCH_FIELDS`.
+_RATIO_PARTS = {"block_hit_ratio": (1, 0), "token_hit_ratio": (3, 2),
+                "prefill_saved_ratio": (5, 4)}
 
 
 def horizon_label(horizon: float) -> str:
@@ -164,6 +195,9 @@ class ReplayResult:
     prefill_s: float = 0.0
     #: of those, the seconds the cached prefixes saved
     prefill_saved_s: float = 0.0
+    #: the same counts by batches of consecutive requests, each as `BATCH_FIELDS` (batch
+    #: means, see the module docstring; empty from the vLLM engines)
+    batches: tuple[tuple[float, ...], ...] = ()
 
     @property
     def tier_hit_ratios(self) -> dict[str, float]:
@@ -275,6 +309,45 @@ def _needs_list(policy: PolicySpec, params: Mapping[str, Any]) -> bool:
     return set(params) <= hook_parameters(POLICIES.get(policy).from_requests)  # type: ignore
 
 
+class _Batches:
+    """A cell's counts in batches of consecutive requests: between `MIN_BATCHES` and twice as
+    many, of equal size (see the module docstring)."""
+
+    __slots__ = ("size", "done", "open", "count")
+
+    def __init__(self) -> None:
+        self.size = 1  # requests per batch
+        self.done: list[list[float]] = []
+        self.open = [0.0] * len(BATCH_FIELDS)
+        self.count = 0  # requests in the open batch
+
+    def add(self, counts: Sequence[float]) -> None:
+        """One request's counts (as `BATCH_FIELDS`)."""
+        batch = self.open
+        for i, x in enumerate(counts):
+            batch[i] += x
+        self.count += 1
+        if self.count == self.size:
+            done = self.done
+            done.append(batch)
+            self.open = [0.0] * len(BATCH_FIELDS)
+            self.count = 0
+            if len(done) == 2 * MIN_BATCHES:  # neighbours merge: half as many, twice as long
+                self.done = [[a + b for a, b in zip(done[i], done[i + 1])]
+                             for i in range(0, len(done), 2)]
+                self.size *= 2
+
+    def result(self) -> tuple[tuple[float, ...], ...]:
+        """The batches, a last partial one joined to the last full one."""
+        out = [list(b) for b in self.done]
+        if self.count:
+            if out:
+                out[-1] = [a + b for a, b in zip(out[-1], self.open)]
+            else:
+                out.append(list(self.open))
+        return tuple(tuple(b) for b in out)
+
+
 class _Cell:
     """One policy at one pool size, fed one request at a time (``closes``: the policy reads
     a next-use file and has a ``close``)."""
@@ -296,6 +369,7 @@ class _Cell:
         self.requests = self.rejected = self.rejected_blocks = self.rejected_tokens = 0
         self.seconds = seconds
         self.prefill = PrefillLedger(cost_model)
+        self.batches = _Batches()
 
     def step(self, index: int, request: Request, t: float) -> None:
         start = _time.perf_counter()
@@ -304,6 +378,7 @@ class _Cell:
         self.requests += 1
         stats = manager.stats
         hits_before, tokens_before = stats.block_hits, stats.prefix_cache_hits
+        queries_before = stats.prefix_cache_queries
         try:
             seq = manager.begin(request)
         except OutOfBlocks:
@@ -319,18 +394,26 @@ class _Cell:
                 self.records.append(ReplayRecord(index, request.request_id, blocks, 0,
                                                  tokens, 0, True))
             self.seconds += _time.perf_counter() - start
-            self.prefill.add(tokens, 0)
+            prefill = self.prefill
+            full = prefill.full_s
+            prefill.add(tokens, 0)
+            self.batches.add((blocks, 0, tokens, 0, prefill.full_s - full, 0.0))
             return
         manager.finish(seq.seq_id)
         token_hits = stats.prefix_cache_hits - tokens_before
+        block_hits = stats.block_hits - hits_before
         if self.records is not None:
             self.records.append(ReplayRecord(
-                index, request.request_id, len(seq.hashes), stats.block_hits - hits_before,
+                index, request.request_id, len(seq.hashes), block_hits,
                 request.prompt_len, token_hits))
         if self.check_every and self.requests % self.check_every == 0:
             manager.check()
         self.seconds += _time.perf_counter() - start
-        self.prefill.add(request.prompt_len, token_hits)
+        prefill = self.prefill
+        full, saved = prefill.full_s, prefill.saved_s
+        prefill.add(request.prompt_len, token_hits)
+        self.batches.add((len(seq.hashes), block_hits, stats.prefix_cache_queries - queries_before,
+                          token_hits, prefill.full_s - full, prefill.saved_s - saved))
 
     def result(self) -> ReplayResult:
         if self.check_every:
@@ -357,6 +440,7 @@ class _Cell:
             tiers=tiers,
             prefill_s=self.prefill.full_s,
             prefill_saved_s=self.prefill.saved_s,
+            batches=self.batches.result(),
         )
 
 
@@ -660,6 +744,125 @@ def format_table(table: ReplayTable, metric: str = "block_hit_ratio", digits: in
             value = getattr(table.get(p, c), metric)
             cells.append(f"{value:.{digits}f}" if isinstance(value, float) else f"{value:,}")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One policy against a baseline at one pool size, on one ratio metric (`compare`)."""
+
+    policy: str
+    baseline: str
+    capacity_blocks: int
+    metric: str
+    value: float  #: the policy's metric
+    base: float  #: the baseline's
+    #: the difference ``value - base``, with its confidence interval by batch means
+    #: (widened by `LAG1_FACTOR` where consecutive batches are correlated)
+    difference: Interval
+    #: the lag-1 autocorrelation of the per-batch differences
+    lag1: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        """``value / base`` (``nan`` when the baseline's is 0)."""
+        return self.value / self.base if self.base else math.nan
+
+    @property
+    def significant(self) -> bool:
+        """Whether the interval of the difference excludes 0."""
+        d = self.difference
+        return d.known and (d.low > 0 or d.high < 0)
+
+
+def compare(table: ReplayTable, baseline: str = "lru", metric: str = "block_hit_ratio",
+            confidence: float = 0.95) -> list[Comparison]:
+    """Every other row of ``table`` against ``baseline`` at each size, on a ratio ``metric``
+    (``block_hit_ratio``, ``token_hit_ratio``, ``prefill_saved_ratio``): the difference and
+    its interval by batch means, paired batch by batch (see the module docstring).
+
+    The difference of batch ``b`` is ``(numerator_policy - numerator_baseline) / mean
+    denominator`` (hits over the mean accesses of a batch, ...), so the intervals' means are
+    exactly ``value - base``.
+
+    Raises:
+        ConfigError: an unknown metric or baseline, a table without batches (the vLLM
+            engines keep none), or results whose batches do not line up.
+    """
+    if metric not in _RATIO_PARTS:
+        raise ConfigError(f"compare needs a ratio metric ({', '.join(_RATIO_PARTS)}), got "
+                          f"{metric!r}")
+    if baseline not in table.policies:
+        raise ConfigError(f"baseline {baseline!r} is not a row of the table (rows: "
+                          f"{', '.join(table.policies)})")
+    num, den = _RATIO_PARTS[metric]
+    out = []
+    for size in table.capacities:
+        base = table.get(baseline, size)
+        if len(base.batches) < 2:
+            raise ConfigError(f"{baseline} at {size:,} blocks has {len(base.batches)} "
+                              "batches; compare needs a replay of at least 2 requests by "
+                              "kvevict.replay (the vLLM engines keep no batches)")
+        mean_den = math.fsum(b[den] for b in base.batches) / len(base.batches)
+        for policy in table.policies:
+            if policy == baseline:
+                continue
+            r = table.get(policy, size)
+            if len(r.batches) != len(base.batches) or any(
+                    a[0] != b[0] for a, b in zip(r.batches, base.batches)):
+                raise ConfigError(f"{policy} and {baseline} at {size:,} blocks were not "
+                                  "replayed on the same requests (their batches differ)")
+            diffs = [(a[num] - b[num]) / mean_den if mean_den else 0.0
+                     for a, b in zip(r.batches, base.batches)]
+            iv = interval(diffs, confidence)
+            rho = lag1(diffs)
+            if rho > 0:
+                iv = Interval(iv.mean, iv.half * lag1_factor(rho), iv.n, iv.confidence)
+            out.append(Comparison(policy, baseline, size, metric, getattr(r, metric),
+                                  getattr(base, metric), iv, rho))
+    return out
+
+
+def lag1(values: Sequence[float]) -> float:
+    """The lag-1 autocorrelation of ``values`` (0 for fewer than 3, or no spread)."""
+    n = len(values)
+    if n < 3:
+        return 0.0
+    m = math.fsum(values) / n
+    dev = [v - m for v in values]
+    var = math.fsum(d * d for d in dev)
+    if var == 0:
+        return 0.0
+    return math.fsum(dev[i] * dev[i + 1] for i in range(n - 1)) / var
+
+
+def lag1_factor(rho: float) -> float:
+    """How much wider a mean's interval is when its values have lag-1 autocorrelation
+    ``rho > 0`` than when they are independent: ``sqrt((1 + rho) / (1 - rho))``, the
+    variance factor of the mean of an AR(1) sequence, with ``rho`` capped at `MAX_LAG1`."""
+    rho = min(rho, MAX_LAG1)
+    return math.sqrt((1.0 + rho) / (1.0 - rho))
+
+
+def format_comparison(table: ReplayTable, baseline: str = "lru",
+                      metric: str = "block_hit_ratio", confidence: float = 0.95) -> str:
+    """A Markdown table of `compare`: per row and size, the ratio to ``baseline`` and the
+    difference with its interval; **bold** where the interval excludes 0, ``n.s.`` (no
+    significant difference) where it does not."""
+    rows = compare(table, baseline, metric, confidence)
+    header = "| policy | " + " | ".join(f"{c:,} blocks" for c in table.capacities) + " |"
+    lines = [header, "|---|" + "---:|" * len(table.capacities)]
+    for policy in table.policies:
+        if policy == baseline:
+            continue
+        cells = []
+        for c in rows:
+            if c.policy != policy:
+                continue
+            d = c.difference
+            text = f"{c.ratio:.3f}x ({d.mean:+.4f} ± {d.half:.4f}"
+            cells.append(f"**{text})**" if c.significant else f"{text}, n.s.)")
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvevict.cli import main
 from kvevict.policies.registry import POLICIES
-from kvevict.replay import format_table, replay_table
+from kvevict.replay import format_comparison, format_table, replay_table
 from kvevict.workloads import (
     TraceFile,
     bundled_trace_path,
@@ -84,6 +84,16 @@ def test_replay_metric_prefill_saved_ratio_prints_the_library_table(capsys, head
     assert "\n".join(captured.out.splitlines()[1:5]) == format_table(table,
                                                                       "prefill_saved_ratio")
     assert table.get("lru", 300).prefill_saved_ratio > 0
+
+
+def test_replay_versus_prints_the_library_comparison(capsys, head):
+    captured = run(capsys, ["replay", "--trace", str(head), "--sizes", "300,900",
+                            "--policies", "lru,gdsf,arc", "--versus", "lru", "--quiet"])
+    table = replay_table(read_mooncake(head), ["lru", "gdsf", "arc"], [300, 900])
+    out = captured.out
+    assert out.endswith(format_comparison(table, "lru") + "\n")
+    assert ("against lru: the ratio of the block hit ratio, and the difference with its 95% "
+            "interval by batch means (18 batches of consecutive requests, at least 10)") in out
 
 
 def test_replay_oracle_rows_horizons_and_the_infinite_cache(capsys, head, tmp_path):
@@ -230,6 +240,10 @@ def test_replay_policy_module_round_trip(capsys, head, tmp_path, monkeypatch):
                                                    "trace file; 'mooncake' is not a file"),
     (["--workdir", "/no/such/dir"], "kvevict: error: --workdir /no/such/dir is not a "
                                     "directory"),
+    (["--policies", "lru,lfu", "--versus", "arc"], "kvevict: error: --versus 'arc' is not a "
+                                                   "row of this replay (rows: lru, lfu)"),
+    (["--engine", "vllm", "--versus", "lru"], "kvevict: error: --versus is for --engine "
+                                              "kvevict: the vllm replay keeps no batches"),
 ])
 def test_replay_errors_name_the_flag(capsys, argv, expected):
     message = user_error(capsys, ["replay", "--quiet", *argv])

@@ -12,7 +12,20 @@ import pytest
 from kvevict import ConfigError, Request, TraceFormatError, available_policies, make_policy
 from kvevict.cost import CostModel, PrefillLedger
 from kvevict.policies.belady import Belady
-from kvevict.replay import ReplayTable, format_table, main, replay, replay_table
+from kvevict.replay import (
+    BATCH_FIELDS,
+    MIN_BATCHES,
+    ReplayTable,
+    compare,
+    format_comparison,
+    format_table,
+    lag1,
+    lag1_factor,
+    main,
+    replay,
+    replay_table,
+)
+from kvevict.stats import interval
 from kvevict.workloads import (
     MOONCAKE_BLOCK_SIZE,
     bundled_trace_path,
@@ -469,6 +482,90 @@ def test_prefill_ledger_and_cost_model_errors():
     with pytest.raises(ConfigError, match="metric must be one of block_hit_ratio, "
                                           "token_hit_ratio, prefill_saved_ratio"):
         format_table(ReplayTable(["lru"], [3]), "seconds")
+
+
+def test_batches_are_equal_runs_of_consecutive_requests_that_add_up(trace):
+    """3,993 requests: batches of 1, 2, 4, ... requests merge in pairs at 20, so 15 batches
+    of 256 remain (3,840 requests) and the last 153 join the last batch."""
+    result = replay(trace, "lru", 2000, records=True)
+    batches = result.batches
+    assert len(batches) == 15 and MIN_BATCHES <= len(batches) < 2 * MIN_BATCHES
+    totals = [sum(b[i] for b in batches) for i in range(len(BATCH_FIELDS))]
+    assert totals[:4] == [result.accesses, result.hits, result.token_queries,
+                          result.token_hits]
+    assert totals[4] == pytest.approx(result.prefill_s, rel=1e-12)
+    assert totals[5] == pytest.approx(result.prefill_saved_s, rel=1e-12)
+    recs = result.records
+    for k, batch in enumerate(batches):  # each batch is its requests' records, in order
+        lo, hi = 256 * k, (256 * (k + 1) if k < 14 else len(recs))
+        assert batch[:2] == (sum(r.blocks for r in recs[lo:hi]),
+                             sum(r.block_hits for r in recs[lo:hi]))
+    assert len(replay(trace[:7], "lru", 2000).batches) == 7  # fewer requests: one each
+
+
+def test_compare_is_the_paired_batch_means_interval(trace):
+    """The interval of the per-batch hit difference over the mean accesses per batch: its
+    mean is exactly the difference of the hit ratios."""
+    table = replay_table(trace, ["lru", "learned", "gdsf"], (2000, 5000), time="arrival")
+    rows = {(c.policy, c.capacity_blocks): c for c in compare(table, "lru")}
+    assert set(rows) == {("learned", 2000), ("learned", 5000), ("gdsf", 2000),
+                         ("gdsf", 5000)}
+    c = rows[("learned", 5000)]
+    a, b = table.get("learned", 5000), table.get("lru", 5000)
+    mean_acc = sum(x[0] for x in b.batches) / len(b.batches)
+    diffs = [(x[1] - y[1]) / mean_acc for x, y in zip(a.batches, b.batches)]
+    want = interval(diffs)
+    assert c.lag1 == lag1(diffs) <= 0  # not correlated: the plain t-interval
+    assert c.difference == want and want.n == 15
+    assert c.difference.mean == pytest.approx(a.block_hit_ratio - b.block_hit_ratio,
+                                              rel=1e-12)
+    assert (c.value, c.base, c.ratio) == (a.block_hit_ratio, b.block_hit_ratio,
+                                          a.block_hit_ratio / b.block_hit_ratio)
+    # golden: learned is 1.136x LRU at 5k beyond its interval, and 1.047x at 2k within it
+    assert (round(c.difference.mean, 4), round(c.difference.half, 4), c.significant) == \
+        (0.0381, 0.0157, True)
+    two = rows[("learned", 2000)]
+    plain = interval([(x[1] - y[1]) / mean_acc for x, y in
+                      zip(table.get("learned", 2000).batches, table.get("lru", 2000).batches)])
+    assert round(two.lag1, 3) == 0.061  # correlated: widened by sqrt(1.061 / 0.939)
+    assert two.difference.half == pytest.approx(plain.half * lag1_factor(two.lag1), rel=1e-12)
+    assert (round(two.difference.mean, 4), round(plain.half, 4), round(two.difference.half, 4),
+            two.significant) == (0.0069, 0.0116, 0.0123, False)
+    text = format_comparison(table, "lru")
+    assert "| learned | 1.047x (+0.0069 ± 0.0123, n.s.) | **1.136x (+0.0381 ± 0.0157)** |" \
+        in text
+    # the prefill metric pairs the same batches
+    p = {(c.policy, c.capacity_blocks): c
+         for c in compare(table, "lru", "prefill_saved_ratio")}[("learned", 5000)]
+    assert p.difference.mean == pytest.approx(a.prefill_saved_ratio - b.prefill_saved_ratio,
+                                              rel=1e-12)
+
+
+def test_lag1_and_its_factor():
+    assert lag1([1.0, 2.0]) == 0.0 and lag1([3.0, 3.0, 3.0]) == 0.0
+    # deviations -1.5, -.5, .5, 1.5: lagged products .75 - .25 + .75 over squares 5
+    assert lag1([1.0, 2.0, 3.0, 4.0]) == pytest.approx(0.25)
+    assert lag1([1.0, -1.0, 1.0, -1.0]) == pytest.approx(-0.75)
+    assert lag1_factor(0.0) == 1.0
+    assert lag1_factor(0.6) == pytest.approx(2.0)
+    assert lag1_factor(0.99) == lag1_factor(0.9) == pytest.approx(19 ** 0.5)  # capped
+
+
+def test_compare_errors():
+    table = replay_table(_small(), ["lru", "lfu"], (3,), 4)
+    with pytest.raises(ConfigError, match=r"compare needs a ratio metric .*got 'hits'"):
+        compare(table, "lru", "hits")
+    with pytest.raises(ConfigError, match="baseline 'arc' is not a row of the table "
+                                          r"\(rows: lru, lfu\)"):
+        compare(table, "arc")
+    one = replay_table(_small()[:1], ["lru", "lfu"], (3,), 4)
+    with pytest.raises(ConfigError, match="lru at 3 blocks has 1 batches; compare needs"):
+        compare(one, "lru")
+    other = replay_table(_small()[1:], ["lru"], (3,), 4)
+    mixed = ReplayTable(["lru", "lfu"], [3], [other.results[0], table.get("lfu", 3)])
+    with pytest.raises(ConfigError, match="lfu and lru at 3 blocks were not replayed on the "
+                                          "same requests"):
+        compare(mixed, "lru")
 
 
 def test_progress_is_called_per_pass():

@@ -100,6 +100,11 @@ def add_parser(sub: Any) -> None:
                           "in arrival order; default %(default)s)")
     rep.add_argument("--metric", choices=METRICS, default="block_hit_ratio",
                      help="what the printed table shows (default %(default)s)")
+    rep.add_argument("--versus", default=None, metavar="NAME",
+                     help="also print every row against the row NAME (e.g. lru): the ratio of "
+                          "--metric (a ratio metric; else the block hit ratio) and the "
+                          "difference with its 95%% interval by batch means, 'n.s.' where it "
+                          "holds 0 (--engine kvevict only)")
     rep.add_argument("--records", action="store_true",
                      help="keep per-request records and write them to results.json "
                           "(memory in proportion to the trace)")
@@ -261,6 +266,10 @@ def replay_command(args: argparse.Namespace) -> int:
     if tiers is not None and engine != "kvevict":
         raise ConfigError("--host-blocks is for --engine kvevict (vLLM's offload manager is "
                           "itself the host tier)")
+    versus = getattr(args, "versus", None)
+    if versus is not None and engine != "kvevict":
+        raise ConfigError(f"--versus is for --engine kvevict: the {engine} replay keeps no "
+                          "batches to pair")
     if horizons is not None and not horizons:
         raise ConfigError("--horizons needs at least one H (a number of seconds with --time "
                           "arrival, of requests with --time index)")
@@ -278,6 +287,14 @@ def replay_command(args: argparse.Namespace) -> int:
         policies = _offload_policies(args, vllm_policies, engine)
     else:
         policies = _policies(args)
+        if versus is not None:  # before the replay, not after it
+            from kvevict.replay import default_policies, horizon_label
+
+            rows = list(policies) if policies is not None else default_policies()
+            rows += [horizon_label(h) for h in horizons or ()]
+            if versus not in rows:
+                raise ConfigError(f"--versus {versus!r} is not a row of this replay (rows: "
+                                  f"{', '.join(rows)})")
     trace, block_size = open_trace(args.trace, args.format, block_size=args.block_size,
                                    time=args.time)
     if engine in _VLLM_ENGINES:
@@ -302,6 +319,16 @@ def replay_command(args: argparse.Namespace) -> int:
           f"{block_size} tokens; time axis {args.time}"
           + (f"; {_VLLM_ENGINES[engine][1]}" if engine in _VLLM_ENGINES else ""))
     print(format_table(table, args.metric))
+    if versus is not None:
+        from kvevict.replay import MIN_BATCHES, format_comparison
+
+        metric = _plot_metric(args.metric)
+        batches = len(table.results[0].batches) if table.results else 0
+        print(f"\nagainst {versus}: the ratio of the {metric.replace('_', ' ')}, and the "
+              f"difference with its 95% interval by batch means ({batches} batches of "
+              f"consecutive requests, at least {MIN_BATCHES}); bold where it excludes 0, "
+              "n.s. (no significant difference) where it does not")
+        print(format_comparison(table, versus, metric))
     if tiers is not None:
         from kvevict.replay import format_tier_table
 
