@@ -267,17 +267,19 @@ class PrefillLedger:
         self.full_s = 0.0  #: prefill seconds of every prompt with nothing cached
         self.saved_s = 0.0  #: of those, what the cached prefixes saved
 
-    def add(self, prompt_tokens: int, cached_tokens: int) -> None:
+    def add(self, prompt_tokens: int, cached_tokens: int) -> tuple[float, float]:
         """One prompt of ``prompt_tokens``, the first ``cached_tokens`` served from the
-        cache (0 for a request that could not run)."""
+        cache (0 for a request that could not run): its (full, saved) prefill seconds."""
         if not 0 <= cached_tokens <= prompt_tokens:
             raise ConfigError(f"cached tokens must be in [0, prompt tokens], got "
                               f"{cached_tokens} of {prompt_tokens}")
         prefill = self.cost_model.prefill_seconds
         full = prefill(prompt_tokens, 0)
+        saved = (full - prefill(prompt_tokens - cached_tokens, cached_tokens)
+                 if cached_tokens else 0.0)
         self.full_s += full
-        if cached_tokens:
-            self.saved_s += full - prefill(prompt_tokens - cached_tokens, cached_tokens)
+        self.saved_s += saved
+        return full, saved
 
 
 def check_cost_model(cost_model: CostModel | None) -> CostModel:

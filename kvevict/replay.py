@@ -394,10 +394,8 @@ class _Cell:
                 self.records.append(ReplayRecord(index, request.request_id, blocks, 0,
                                                  tokens, 0, True))
             self.seconds += _time.perf_counter() - start
-            prefill = self.prefill
-            full = prefill.full_s
-            prefill.add(tokens, 0)
-            self.batches.add((blocks, 0, tokens, 0, prefill.full_s - full, 0.0))
+            full, _ = self.prefill.add(tokens, 0)
+            self.batches.add((blocks, 0, tokens, 0, full, 0.0))
             return
         manager.finish(seq.seq_id)
         token_hits = stats.prefix_cache_hits - tokens_before
@@ -409,11 +407,9 @@ class _Cell:
         if self.check_every and self.requests % self.check_every == 0:
             manager.check()
         self.seconds += _time.perf_counter() - start
-        prefill = self.prefill
-        full, saved = prefill.full_s, prefill.saved_s
-        prefill.add(request.prompt_len, token_hits)
+        full, saved = self.prefill.add(request.prompt_len, token_hits)
         self.batches.add((len(seq.hashes), block_hits, stats.prefix_cache_queries - queries_before,
-                          token_hits, prefill.full_s - full, prefill.saved_s - saved))
+                          token_hits, full, saved))
 
     def result(self) -> ReplayResult:
         if self.check_every:
@@ -450,13 +446,11 @@ Progress = Callable[[str, int], None]
 def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dict[str, Any]]],
          sizes: Sequence[int], block_size: int, time: str, extra_key: Any, check_every: int,
          records: bool, progress: Progress | None,
-         workdir: str | os.PathLike[str] | None,
-         tiers: Callable[[], TierStack] | None = None,
-         cost_model: CostModel | None = None) -> list[ReplayResult]:
+         workdir: str | os.PathLike[str] | None, cost_model: CostModel,
+         tiers: Callable[[], TierStack] | None = None) -> list[ReplayResult]:
     """Replay every (label, policy, params) of ``cells`` at every size, from one pass over
     ``requests`` (two when Belady streams its future; see the module docstring)."""
     source: Iterable[Request] = requests
-    costs = check_cost_model(cost_model)
     infinite = [label for label, spec, _ in cells if spec == INFINITE]
     cells = [c for c in cells if c[1] != INFINITE]
     if any(_needs_list(spec, params) for _, spec, params in cells):
@@ -475,7 +469,7 @@ def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dic
             if one_shot:
                 source = future.spilled()
         running = [_make_cell(label, spec, params, size, block_size, time, extra_key,
-                              check_every, records, source, future, costs, tiers)
+                              check_every, records, source, future, cost_model, tiers)
                    for label, spec, params in cells for size in sizes]
         unbounded = []
         if infinite:
@@ -484,7 +478,7 @@ def _run(requests: Iterable[Request], cells: Sequence[tuple[str, PolicySpec, dic
             # that is never asked for a victim
             room = future.num_slots + future.max_need + 1
             unbounded = [_Cell(INFINITE, build_policy("lru"), room, block_size, extra_key,
-                               check_every, records, 0.0, costs)]
+                               check_every, records, 0.0, cost_model)]
             running += unbounded
         axis = _Axis(time)
         count = 0
@@ -611,7 +605,7 @@ def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int
     name = label if label is not None else _label(policy)
     (result,) = _run(requests, [(name, policy, dict(policy_params))], [capacity_blocks],
                      block_size, time, extra_key, check_every, records, progress, workdir,
-                     tiers, costs)
+                     costs, tiers)
     return result
 
 
@@ -701,7 +695,7 @@ def replay_table(requests: Iterable[Request],
     _check_time(time)
     costs = check_cost_model(cost_model)
     results = _run(requests, cells, sizes, block_size, time, extra_key, 0, records, progress,
-                   workdir, tiers, costs)
+                   workdir, costs, tiers)
     return ReplayTable([lbl for lbl, _, _ in cells], sizes, results)
 
 
@@ -758,7 +752,7 @@ class Comparison:
     value: float  #: the policy's metric
     base: float  #: the baseline's
     #: the difference ``value - base``, with its confidence interval by batch means
-    #: (widened by `LAG1_FACTOR` where consecutive batches are correlated)
+    #: (widened by `lag1_factor` where consecutive batches are correlated)
     difference: Interval
     #: the lag-1 autocorrelation of the per-batch differences
     lag1: float = 0.0
