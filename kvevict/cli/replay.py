@@ -46,7 +46,18 @@ from kvevict.cli.common import (
 )
 from kvevict.errors import ConfigError
 from kvevict.policies.oracles import DEFAULT_HORIZON
-from kvevict.replay import METRICS
+from kvevict.replay import (
+    INFINITE,
+    METRICS,
+    MIN_BATCHES,
+    default_policies,
+    format_comparison,
+    format_table,
+    format_tier_table,
+    horizon_label,
+    open_trace,
+    replay_table,
+)
 
 __all__ = ["DEFAULT_SIZES", "ENGINES", "add_parser", "replay_command"]
 
@@ -172,7 +183,6 @@ def _policies(args: argparse.Namespace) -> list[str]:
     """``--policies`` (registered names and ``infinite``), or `default_policies` once the
     ``--policy-module`` modules and the entry points are loaded."""
     from kvevict.policies.registry import check_distinct, load_entry_point_policies
-    from kvevict.replay import INFINITE, default_policies
 
     if args.policies is not None:
         names = csv_list(args.policies)
@@ -245,8 +255,6 @@ def _plot_metric(metric: str) -> str:
 
 
 def replay_command(args: argparse.Namespace) -> int:
-    from kvevict.replay import format_table, open_trace, replay_table
-
     sizes = list(args.sizes)
     if not sizes:
         raise ConfigError("--sizes needs at least one pool size in blocks")
@@ -288,8 +296,6 @@ def replay_command(args: argparse.Namespace) -> int:
     else:
         policies = _policies(args)
         if versus is not None:  # before the replay, not after it
-            from kvevict.replay import default_policies, horizon_label
-
             rows = list(policies) if policies is not None else default_policies()
             rows += [horizon_label(h) for h in horizons or ()]
             if versus not in rows:
@@ -320,8 +326,6 @@ def replay_command(args: argparse.Namespace) -> int:
           + (f"; {_VLLM_ENGINES[engine][1]}" if engine in _VLLM_ENGINES else ""))
     print(format_table(table, args.metric))
     if versus is not None:
-        from kvevict.replay import MIN_BATCHES, format_comparison
-
         metric = _plot_metric(args.metric)
         batches = len(table.results[0].batches) if table.results else 0
         print(f"\nagainst {versus}: the ratio of the {metric.replace('_', ' ')}, and the "
@@ -330,8 +334,6 @@ def replay_command(args: argparse.Namespace) -> int:
               "n.s. (no significant difference) where it does not")
         print(format_comparison(table, versus, metric))
     if tiers is not None:
-        from kvevict.replay import format_tier_table
-
         print(f"\nwith a host tier of {args.host_blocks:,} blocks ({args.host_policy}, "
               f"{args.host_profile}): blocks served by each tier over blocks looked up; GiB "
               "moved at the cost model's KV bytes per block")
