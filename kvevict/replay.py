@@ -107,7 +107,7 @@ from kvevict.tiers import TierStack
 from kvevict.types import ManualClock, Request
 
 __all__ = ["BATCH_FIELDS", "INFINITE", "MAX_LAG1", "METRICS", "MIN_BATCHES", "ORACLES",
-           "Comparison", "ReplayRecord", "ReplayResult", "ReplayTable", "compare",
+           "Batches", "Comparison", "ReplayRecord", "ReplayResult", "ReplayTable", "compare",
            "default_policies", "format_comparison", "format_table", "format_tier_table",
            "horizon_label", "lag1", "lag1_factor", "main", "open_trace", "replay",
            "replay_table"]
@@ -309,9 +309,11 @@ def _needs_list(policy: PolicySpec, params: Mapping[str, Any]) -> bool:
     return set(params) <= hook_parameters(POLICIES.get(policy).from_requests)  # type: ignore
 
 
-class _Batches:
+class Batches:
     """A cell's counts in batches of consecutive requests: between `MIN_BATCHES` and twice as
-    many, of equal size (see the module docstring)."""
+    many, of equal size (see the module docstring). Every replay of a `ReplayResult` keeps
+    one (this module's, and the vLLM engines' in `kvevict.adapters.vllm`), so `compare`
+    pairs any two rows replayed on the same requests."""
 
     __slots__ = ("size", "done", "open", "count")
 
@@ -369,7 +371,7 @@ class _Cell:
         self.requests = self.rejected = self.rejected_blocks = self.rejected_tokens = 0
         self.seconds = seconds
         self.prefill = PrefillLedger(cost_model)
-        self.batches = _Batches()
+        self.batches = Batches()
 
     def step(self, index: int, request: Request, t: float) -> None:
         start = _time.perf_counter()
@@ -780,8 +782,8 @@ def compare(table: ReplayTable, baseline: str = "lru", metric: str = "block_hit_
     exactly ``value - base``.
 
     Raises:
-        ConfigError: an unknown metric or baseline, a table without batches (the vLLM
-            engines keep none), or results whose batches do not line up.
+        ConfigError: an unknown metric or baseline, a table without batches (results
+            built by hand), or results whose batches do not line up.
     """
     if metric not in _RATIO_PARTS:
         raise ConfigError(f"compare needs a ratio metric ({', '.join(_RATIO_PARTS)}), got "
@@ -795,8 +797,7 @@ def compare(table: ReplayTable, baseline: str = "lru", metric: str = "block_hit_
         base = table.get(baseline, size)
         if len(base.batches) < 2:
             raise ConfigError(f"{baseline} at {size:,} blocks has {len(base.batches)} "
-                              "batches; compare needs a replay of at least 2 requests by "
-                              "kvevict.replay (the vLLM engines keep no batches)")
+                              "batches; compare needs a replay of at least 2 requests")
         mean_den = math.fsum(b[den] for b in base.batches) / len(base.batches)
         for policy in table.policies:
             if policy == baseline:

@@ -242,8 +242,6 @@ def test_replay_policy_module_round_trip(capsys, head, tmp_path, monkeypatch):
                                     "directory"),
     (["--policies", "lru,lfu", "--versus", "arc"], "kvevict: error: --versus 'arc' is not a "
                                                    "row of this replay (rows: lru, lfu)"),
-    (["--engine", "vllm", "--versus", "lru"], "kvevict: error: --versus is for --engine "
-                                              "kvevict: the vllm replay keeps no batches"),
 ])
 def test_replay_errors_name_the_flag(capsys, argv, expected):
     message = user_error(capsys, ["replay", "--quiet", *argv])

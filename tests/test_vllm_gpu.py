@@ -314,10 +314,23 @@ def test_lru_equals_stock_vllm_on_mooncake(g):
     stream = g.replay.GPUStream(reqs, 512)
     for size in (1000, 4000):
         stock = g.replay.replay_gpu(stream, "vllm:lru", size, block_size=512)
-        ours = g.replay.replay_gpu(stream, "lru", size, block_size=512, check_every=100)
+        ours = g.replay.replay_gpu(stream, "lru", size, block_size=512, check_every=100,
+                                   records=True)
         assert (ours.hits, ours.token_hits, ours.evictions, ours.prefill_saved_s) == \
             (stock.hits, stock.token_hits, stock.evictions, stock.prefill_saved_s)
         assert stock.prefill_saved_s > 0
+        # the batches kvevict.replay keeps (600 requests: 18 of 32, the last with 24 more),
+        # each its requests' records; the plugin's equal stock vLLM's, batch by batch
+        assert ours.batches == stock.batches and len(ours.batches) == 18
+        recs = ours.records
+        for k, batch in enumerate(ours.batches):
+            part = recs[32 * k:32 * (k + 1) if k < 17 else len(recs)]
+            assert batch[:4] == (sum(r.blocks for r in part), sum(r.block_hits for r in part),
+                                 sum(r.tokens for r in part), sum(r.token_hits for r in part))
+        assert [sum(b[i] for b in ours.batches) for i in range(4)] == [
+            ours.accesses, ours.hits, ours.token_queries, ours.token_hits]
+        assert sum(b[5] for b in ours.batches) == pytest.approx(ours.prefill_saved_s,
+                                                                rel=1e-12)
         tree = replay(reqs, "lru", size, 512)
         # vLLM looks up full blocks only (14,273); kvevict's hash mode every listed id, the
         # partial last one too (14,873), which also takes pool space
@@ -488,24 +501,32 @@ def test_connector_evict_blocks(g):
 def test_replay_table_and_cli(g, tmp_path, capsys):
     """``kvevict replay --engine vllm`` prints `replay_gpu_table`'s table; errors."""
     from kvevict.cli import main
-    from kvevict.replay import format_table
+    from kvevict.replay import compare, format_comparison, format_table
     from kvevict.workloads.mooncake import bundled_trace_path, read_mooncake, write_mooncake
 
     trace = tmp_path / "t.jsonl"
     write_mooncake(read_mooncake(bundled_trace_path("mooncake"))[:300], trace)
     assert main(["replay", "--engine", "vllm", "--trace", str(trace), "--sizes", "200,1000",
-                 "--policies", "vllm:lru,lru,lfu", "--quiet", "--out", str(tmp_path)]) == 0
+                 "--policies", "vllm:lru,lru,lfu", "--versus", "vllm:lru", "--quiet",
+                 "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     table = g.replay.replay_gpu_table(read_mooncake(trace), ["vllm:lru", "lru", "lfu"],
                                       [200, 1000], 512)
     assert format_table(table) in out
+    # paired with stock vLLM batch by batch: the plugin's lru is exactly it
+    assert format_comparison(table, "vllm:lru") + "\n" in out
+    same = [c for c in compare(table, "vllm:lru") if c.policy == "lru"]
+    assert [(c.difference.mean, c.difference.half, c.significant) for c in same] == \
+        [(0.0, 0.0, False)] * 2
     assert "GPU blocks of 512 tokens" in out and "vLLM's KVCacheManager (GPU tier)" in out
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["engine"] == "vllm" and saved["vllm_version"].startswith("0.32")
     assert [r["hits"] for r in saved["results"]] == [r.hits for r in table.results]
     for argv, message in [(["--policies", "belady"], "online policies"),
                           (["--policies", "vllm:arc"], "unknown policy vllm:arc"),
-                          (["--records"], "--records is for --engine kvevict")]:
+                          (["--records"], "--records is for --engine kvevict"),
+                          (["--policies", "lru", "--versus", "vllm:lru"],
+                           "--versus 'vllm:lru' is not a row of this replay (rows: lru)")]:
         assert main(["replay", "--engine", "vllm", "--trace", str(trace), "--sizes", "10",
                      *argv]) == 2
         assert message in capsys.readouterr().err

@@ -404,7 +404,7 @@ def test_cli_engine_vllm_offload_equals_the_library_call(v, tmp_path, capsys):
     import json
 
     from kvevict.cli import main
-    from kvevict.replay import format_table
+    from kvevict.replay import compare, format_comparison, format_table
     from kvevict.workloads import bundled_trace_path, read_mooncake, write_mooncake
 
     head = tmp_path / "head.jsonl"
@@ -412,7 +412,8 @@ def test_cli_engine_vllm_offload_equals_the_library_call(v, tmp_path, capsys):
     out = tmp_path / "out"
     policies, sizes = ["vllm:lru", "lru", "market", "vllm:arc"], [200, 800]
     rc = main(["replay", "--engine", "vllm-offload", "--trace", str(head), "--sizes", "200,800",
-               "--policies", ",".join(policies), "--out", str(out), "--quiet"])
+               "--policies", ",".join(policies), "--versus", "vllm:lru", "--out", str(out),
+               "--quiet"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     lib = v.replay.replay_offload_table(read_mooncake(head), policies, sizes)
@@ -428,6 +429,15 @@ def test_cli_engine_vllm_offload_equals_the_library_call(v, tmp_path, capsys):
                         "tokens; time axis index; vLLM's CPUOffloadingManager")
     assert "\n".join(lines[1:7]) == format_table(lib)
     assert lib.get("lru", 800).hits == lib.get("vllm:lru", 800).hits
+    # paired with vLLM's own LRU batch by batch: kvevict's lru is exactly it
+    assert format_comparison(lib, "vllm:lru") + "\n" in captured.out
+    for size in sizes:
+        ours, theirs = lib.get("lru", size), lib.get("vllm:lru", size)
+        assert ours.batches == theirs.batches and len(ours.batches) == 11  # 358 cut
+        assert [sum(b[i] for b in ours.batches) for i in range(4)] == [
+            ours.accesses, ours.hits, ours.token_queries, ours.token_hits]
+    same = [c for c in compare(lib, "vllm:lru") if c.policy == "lru"]
+    assert [c.difference.half for c in same] == [0.0, 0.0]
     payload = json.loads((out / "results.json").read_text())
     assert payload["engine"] == "vllm-offload" and payload["vllm_version"].startswith("0.32")
     keys = ("policy", "capacity_blocks", "hits", "accesses", "evictions", "rejected")

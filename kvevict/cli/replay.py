@@ -20,7 +20,8 @@ through vLLM's real GPU-tier ``KVCacheManager`` (`kvevict.adapters.vllm.gpu_repl
 replay_gpu_table`: vLLM hashes the prompts' tokens itself), stock (``vllm:lru``) or with any
 online kvevict policy through the GPU-tier plugin; ``--sizes`` are then GPU blocks. Both need
 vLLM installed (docs/vllm.md); without it the command stops with one line naming the install
-command.
+command. They keep the same batches as kvevict's replay, so ``--versus vllm:lru`` says whether
+a kvevict policy inside vLLM differs from stock vLLM beyond the interval.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def add_parser(sub: Any) -> None:
                      help="also print every row against the row NAME (e.g. lru): the ratio of "
                           "--metric (a ratio metric; else the block hit ratio) and the "
                           "difference with its 95%% interval by batch means, 'n.s.' where it "
-                          "holds 0 (--engine kvevict only)")
+                          "holds 0")
     rep.add_argument("--records", action="store_true",
                      help="keep per-request records and write them to results.json "
                           "(memory in proportion to the trace)")
@@ -241,7 +242,7 @@ def _offload_policies(args: argparse.Namespace, vllm_policies: tuple[str, ...],
     unknown = [p for p in names if p not in online and p not in vllm_policies]
     if unknown or not names:
         raise ConfigError(f"unknown policy {', '.join(unknown) or '(none given)'}; valid "
-                          f"names with --engine vllm-offload: "
+                          f"names with --engine {engine}: "
                           f"{', '.join(list(vllm_policies) + online)}")
     from kvevict.policies.registry import check_distinct
 
@@ -275,9 +276,6 @@ def replay_command(args: argparse.Namespace) -> int:
         raise ConfigError("--host-blocks is for --engine kvevict (vLLM's offload manager is "
                           "itself the host tier)")
     versus = getattr(args, "versus", None)
-    if versus is not None and engine != "kvevict":
-        raise ConfigError(f"--versus is for --engine kvevict: the {engine} replay keeps no "
-                          "batches to pair")
     if horizons is not None and not horizons:
         raise ConfigError("--horizons needs at least one H (a number of seconds with --time "
                           "arrival, of requests with --time index)")
@@ -293,14 +291,14 @@ def replay_command(args: argparse.Namespace) -> int:
                               f"kvevict; --engine {engine} runs online policies only")
         run_table, vllm_policies = _vllm_replay(engine)
         policies = _offload_policies(args, vllm_policies, engine)
+        rows = list(policies)
     else:
         policies = _policies(args)
-        if versus is not None:  # before the replay, not after it
-            rows = list(policies) if policies is not None else default_policies()
-            rows += [horizon_label(h) for h in horizons or ()]
-            if versus not in rows:
-                raise ConfigError(f"--versus {versus!r} is not a row of this replay (rows: "
-                                  f"{', '.join(rows)})")
+        rows = list(policies) if policies is not None else default_policies()
+        rows += [horizon_label(h) for h in horizons or ()]
+    if versus is not None and versus not in rows:  # before the replay, not after it
+        raise ConfigError(f"--versus {versus!r} is not a row of this replay (rows: "
+                          f"{', '.join(rows)})")
     trace, block_size = open_trace(args.trace, args.format, block_size=args.block_size,
                                    time=args.time)
     if engine in _VLLM_ENGINES:

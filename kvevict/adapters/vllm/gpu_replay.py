@@ -45,7 +45,7 @@ from kvevict.adapters.vllm.gpu import GPUTier, KVEvictKVCacheManager, gpu_policy
 from kvevict.cost import CostModel, PrefillLedger
 from kvevict.errors import ConfigError
 from kvevict.policies.registry import is_offline
-from kvevict.replay import ReplayRecord, ReplayResult, ReplayTable
+from kvevict.replay import Batches, ReplayRecord, ReplayResult, ReplayTable
 from kvevict.types import ManualClock, Request
 
 import torch  # isort: skip  (vLLM's specs take a torch dtype)
@@ -191,8 +191,9 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
     Returns:
         A `ReplayResult`: vLLM's token counters, full blocks looked up and hit, cached blocks
         evicted (hashed blocks minus those still cached at the end), requests rejected, and
-        the prefill compute the hits saved by the default `kvevict.cost.CostModel` (as
-        `kvevict.replay` counts it).
+        the prefill compute the hits saved by the default `kvevict.cost.CostModel`, and
+        the same counts by batches of consecutive requests (as `kvevict.replay` counts
+        them, so `kvevict.replay.compare` pairs two policies).
     """
     if time not in ("index", "arrival"):
         raise ConfigError(f"time must be 'index' or 'arrival', got {time!r}")
@@ -214,6 +215,7 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
     start = _time.perf_counter()
     accesses = hits = queries = token_hits = rejected = cached = 0
     prefill = PrefillLedger(CostModel())
+    batches = Batches()
     kept: list[ReplayRecord] | None = [] if records else None
     for i, (req, tokens) in enumerate(zip(reqs, stream.tokens)):
         t = float(req.arrival) if time == "arrival" else float(i)
@@ -232,7 +234,9 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
             token_hits += found
             hits += found // block_size
             cached += full - found // block_size
-        prefill.add(vreq.num_tokens, found or 0)
+        full_s, saved_s = prefill.add(vreq.num_tokens, found or 0)
+        batches.add((full, (found or 0) // block_size, vreq.num_tokens, found or 0, full_s,
+                     saved_s))
         if kept is not None:
             kept.append(ReplayRecord(i, req_id, full, (found or 0) // block_size,
                                      vreq.num_tokens, found or 0, found is None))
@@ -250,7 +254,8 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
                         token_queries=queries, token_hits=token_hits, evictions=evictions,
                         rejected=rejected, seconds=seconds,
                         records=None if kept is None else tuple(kept),
-                        prefill_s=prefill.full_s, prefill_saved_s=prefill.saved_s)
+                        prefill_s=prefill.full_s, prefill_saved_s=prefill.saved_s,
+                        batches=batches.result())
 
 
 def replay_gpu_table(requests: Iterable[Request], policies: Sequence[str],

@@ -39,7 +39,7 @@ from kvevict.adapters.vllm.offload import KVEvictCachePolicy, offload_policy
 from kvevict.cost import CostModel, PrefillLedger
 from kvevict.errors import ConfigError
 from kvevict.hashing import block_hashes
-from kvevict.replay import ReplayResult, ReplayTable
+from kvevict.replay import Batches, ReplayResult, ReplayTable
 from kvevict.types import ManualClock, Request
 
 from vllm.v1.kv_offload.base import (  # isort: skip
@@ -179,7 +179,8 @@ def replay_offload(requests: Iterable[Request], policy: str, capacity_chunks: in
     Returns:
         A `ReplayResult`; ``rejected`` counts requests whose store was skipped; the prefill
         compute saved (by the default `kvevict.cost.CostModel`) counts each cut request's
-        full chunks, its hit chunks cached.
+        full chunks, its hit chunks cached; the counts by batches of consecutive cut
+        requests are kept as `kvevict.replay` keeps them (for `kvevict.replay.compare`).
     """
     if time not in ("index", "arrival"):
         raise ConfigError(f"time must be 'index' or 'arrival', got {time!r}")
@@ -194,12 +195,15 @@ def replay_offload(requests: Iterable[Request], policy: str, capacity_chunks: in
     start = _time.perf_counter()
     accesses = hits = skipped = evictions = 0
     prefill = PrefillLedger(CostModel())
+    batches = Batches()
     for i, (t, req_id, keys) in enumerate(stream):
         clock.set(t)
         found, evicted = drive_request(manager, keys, ReqContext(req_id), chunk_tokens)
         accesses += len(keys)
         hits += found
-        prefill.add(len(keys) * chunk_tokens, found * chunk_tokens)
+        full_s, saved_s = prefill.add(len(keys) * chunk_tokens, found * chunk_tokens)
+        batches.add((len(keys), found, len(keys) * chunk_tokens, found * chunk_tokens, full_s,
+                     saved_s))
         if evicted is None:
             skipped += 1
         else:
@@ -212,7 +216,8 @@ def replay_offload(requests: Iterable[Request], policy: str, capacity_chunks: in
                         requests=len(reqs), accesses=accesses, hits=hits,
                         token_queries=accesses * chunk_tokens, token_hits=hits * chunk_tokens,
                         evictions=evictions, rejected=skipped, seconds=seconds,
-                        prefill_s=prefill.full_s, prefill_saved_s=prefill.saved_s)
+                        prefill_s=prefill.full_s, prefill_saved_s=prefill.saved_s,
+                        batches=batches.result())
 
 
 def replay_offload_table(requests: Iterable[Request], policies: Sequence[str],
