@@ -285,6 +285,43 @@ def test_a_deferred_free_sends_its_events_as_a_free_does(g):
     tier.check()
 
 
+class OutputLengths(LRU):
+    """LRU noting the ``output_len`` of the request each request event carries."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_begin(self, request, hits, new, now):
+        self.seen.append(("begin", request.request_id, request.output_len))
+
+    def on_finish(self, request, blocks, now):
+        self.seen.append(("finish", request.request_id, request.output_len))
+
+
+@vllm_only
+def test_on_finish_carries_the_generated_length(g):
+    """A request's ``output_len`` is its ``max_tokens`` at its begin, and at its finish the
+    tokens it generated (the answer's length: `learned` files the request's blocks under
+    it); a request that generated none keeps ``max_tokens``."""
+    from vllm.v1.request import RequestStatus
+
+    policy = OutputLengths()
+    mgr, tier = manager(g, policy, capacity=10)
+    hasher = g.replay.block_hasher(BS)
+    a = g.Request("a", A, g.SamplingParams(max_tokens=64), None, block_hasher=hasher)
+    b = g.Request("b", B, g.SamplingParams(max_tokens=16), None, block_hasher=hasher)
+    allocate_slots(mgr, a)
+    allocate_slots(mgr, b)
+    a.append_output_token_ids([7, 8, 9])
+    a.status = b.status = RequestStatus.FINISHED_STOPPED
+    mgr.free(a)
+    mgr.free(b)
+    assert policy.seen == [("begin", "a", 64), ("begin", "b", 16), ("finish", "a", 3),
+                           ("finish", "b", 16)]
+    tier.check()
+
+
 @vllm_only
 def test_twins_and_leaf_rule(g):
     """A block-aligned prompt sent twice: vLLM recomputes its last block into a twin (same
@@ -339,6 +376,12 @@ def test_lru_equals_stock_vllm_on_mooncake(g):
     market = g.replay.replay_gpu(stream, "market", 1000, block_size=512, check_every=100)
     assert (market.hits, market.evictions) == (128, 13146)
     assert replay(reqs, "market", 1000, 512).hits == 128
+    # learned files blocks under the answer's length: the replay gives each request the
+    # trace's output length as max_tokens, and the plugin passes it on (with max_tokens=1
+    # for all, as before, it hit 127 and 950 blocks: below stock vLLM's 145 at 1,000)
+    learned = [g.replay.replay_gpu(stream, "learned", size, block_size=512, time="arrival",
+                                   check_every=100) for size in (1000, 4000)]
+    assert [(r.hits, r.evictions) for r in learned] == [(241, 13033), (1057, 9217)]
 
 
 class Raising(LRU):

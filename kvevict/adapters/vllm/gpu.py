@@ -467,6 +467,9 @@ class GPUTier:
             held = []
         if held is not None and self.p_finish is not None:
             built = self.kvevict_request(request)
+            produced = request.num_output_tokens  # the answer's length, known now
+            if produced and produced != built.output_len:
+                built = attrs.evolve(built, output_len=int(produced))
             if deferred:
                 key = tuple(b.block_id for b in deferred)
                 self.finishing.setdefault(key, deque()).append((built, held))
@@ -499,7 +502,10 @@ class GPUTier:
             self.quarantine(event, None, exc)
 
     def kvevict_request(self, request: Any) -> Request:
-        """The kvevict `Request` a request event carries (built once per vLLM request)."""
+        """The kvevict `Request` a request event carries (built once per vLLM request). Its
+        ``output_len`` is the request's ``max_tokens`` (what is known at its begin);
+        `finish` sends ``on_finish`` with the tokens it generated instead, when it
+        generated any."""
         info, built = self.infos.get(request.request_id, (None, None))
         if built is not None:
             return built

@@ -12,7 +12,9 @@ One request at a time, in list order, as vLLM's scheduler drives a request that 
 4. ``free``: released tail first.
 
 No decode steps run (as in `kvevict.replay`): a trace's outputs are never hit, only the
-prompts. A request that cannot fit in the whole pool is not run and counts as all misses
+prompts. A request's output length is its ``max_tokens`` (1 when the trace gives none), which
+the plugin passes to the policy as the request's ``output_len``, as kvevict's replay does. A
+request that cannot fit in the whole pool is not run and counts as all misses
 (``rejected``).
 
 The KV cache is vLLM's ``KVCacheConfig`` built by hand: one ``FullAttentionSpec`` group of
@@ -210,7 +212,6 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
                                      max_model_len=max([r.prompt_len for r in reqs] +
                                                        [block_size]) + block_size)
     hasher = block_hasher(block_size)
-    params_v = SamplingParams(max_tokens=1)
     pool = manager.block_pool
     start = _time.perf_counter()
     accesses = hits = queries = token_hits = rejected = cached = 0
@@ -221,6 +222,9 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
         t = float(req.arrival) if time == "arrival" else float(i)
         req_id, session = str(req.request_id), req.session_id
         clock.set(t)
+        # nothing is decoded here: the trace's output length is the request's max_tokens,
+        # which the plugin gives the policy as the request's output_len
+        params_v = SamplingParams(max_tokens=max(int(req.output_len), 1))
         vreq = VllmRequest(req_id, tokens, params_v, None, arrival_time=t,
                            block_hasher=hasher,
                            session_id=None if session is None else str(session))
