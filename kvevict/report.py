@@ -31,10 +31,11 @@ from kvevict.errors import ConfigError
 from kvevict.policies.registry import is_offline
 from kvevict.stats import Interval, aggregate, paired
 
-__all__ = ["Choice", "choose_policy", "class_p95_figure", "decision_record", "explain_choice",
-           "format_class_table", "format_table", "hit_ratio_figure", "is_unstable",
-           "plot_class_p95", "plot_hit_ratio", "plot_replay", "plot_ttft_cdf", "policy_label",
-           "policy_style", "replay_figure", "size_label", "ttft_cdf_figure"]
+__all__ = ["Choice", "choose_policy", "class_p95_figure", "comparison_figure",
+           "decision_record", "explain_choice", "format_class_table", "format_table",
+           "hit_ratio_figure", "is_unstable", "plot_class_p95", "plot_comparison",
+           "plot_hit_ratio", "plot_replay", "plot_ttft_cdf", "policy_label", "policy_style",
+           "replay_figure", "size_label", "ttft_cdf_figure"]
 
 #: The terminal and Markdown table: ``(header, key, format spec, shown when no row has it)``.
 #: Columns whose key no row holds and that are not always shown (the TTFT decomposition and
@@ -952,6 +953,65 @@ def plot_replay(rows: Sequence[Mapping[str, Any]], path: Path, title: str, *,
                 metric: str = "block_hit_ratio") -> None:
     """`replay_figure` saved as a PNG at ``path``."""
     _save(replay_figure(rows, title, metric=metric), path)
+
+
+#: Horizontal offset between neighbouring policies of a comparison plot, in log2 units (2^0.06
+#: is 4%): wider than `SIZE_OFFSET_LOG2`, so that the interval bars stand apart.
+BAR_OFFSET_LOG2 = 0.06
+
+
+def comparison_figure(comparisons: Sequence[Any], title: str) -> Any:
+    """Each policy's difference from the baseline against pool size, with its interval as a
+    bar: `kvevict.replay.compare`'s output (its ``Comparison`` objects, one baseline and one
+    metric). A marker is filled where the interval excludes 0 and hollow where it does not
+    (no significant difference); a black line marks 0. Each policy keeps its colour and
+    marker (`policy_style`; an oracle's line is dashed), and policy ``i`` of ``m`` is shifted
+    by ``(i - (m - 1) / 2) · BAR_OFFSET_LOG2`` on the log2 size axis so that bars at one size
+    stand side by side."""
+    comparisons = list(comparisons)
+    if not comparisons:
+        raise ConfigError("a comparison plot needs at least one comparison")
+    first = comparisons[0]
+    mixed = [c for c in comparisons if (c.baseline, c.metric) != (first.baseline, first.metric)]
+    if mixed:
+        raise ConfigError(f"a comparison plot takes one baseline and one metric; got "
+                          f"{first.baseline}/{first.metric} and "
+                          f"{mixed[0].baseline}/{mixed[0].metric}")
+    fig = _figure(9.5, 5.0)
+    ax = fig.subplots()
+    policies = list(dict.fromkeys(c.policy for c in comparisons))
+    m = len(policies)
+    for i, p in enumerate(policies):
+        pts = sorted((c.capacity_blocks, c) for c in comparisons if c.policy == p)
+        base = p.split(" ", 1)[0]
+        style = policy_style(base)
+        color = style["color"] if base != INFINITE_LABEL else "#7f7f7f"
+        shift = 2.0 ** ((i - (m - 1) / 2) * BAR_OFFSET_LOG2)
+        xs = [size * shift for size, _ in pts]
+        ys = [c.difference.mean for _, c in pts]
+        ax.errorbar(xs, ys, yerr=[c.difference.half for _, c in pts], color=color,
+                    marker=style["marker"], markersize=7, markerfacecolor="white",
+                    linestyle="--" if is_offline(base) else "-", linewidth=1.1, capsize=3,
+                    label=p, zorder=3 + i)
+        beyond = [(x, y) for x, y, (_, c) in zip(xs, ys, pts) if c.significant]
+        if beyond:
+            ax.plot([x for x, _ in beyond], [y for _, y in beyond], color=color,
+                    marker=style["marker"], markersize=7, linestyle="none", zorder=3 + m + i)
+    ax.axhline(0.0, color="black", linewidth=0.9, zorder=2)
+    _size_axis(ax, sorted({c.capacity_blocks for c in comparisons}))
+    spread = 2.0 ** ((m - 1) / 2 * BAR_OFFSET_LOG2) - 1.0
+    confidence = first.difference.confidence
+    note = (f"bars: {confidence:.0%} interval by\nbatch means, paired with {first.baseline}\n"
+            "filled: beyond it; hollow: n.s."
+            + (f"\nx shifted ≤ ±{spread:.0%} per policy" if m > 1 else ""))
+    _decorate(fig, ax, title, "pool size (blocks, log scale)",
+              f"{_metric_text(first.metric)[0]} − {first.baseline}'s", note)
+    return fig
+
+
+def plot_comparison(comparisons: Sequence[Any], path: Path, title: str) -> None:
+    """`comparison_figure` saved as a PNG at ``path``."""
+    _save(comparison_figure(comparisons, title), path)
 
 
 def _cdf_series(values: Sequence[float] | Mapping[Any, Sequence[float]]) -> list[list[float]]:

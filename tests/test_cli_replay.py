@@ -10,7 +10,8 @@ import pytest
 
 from kvevict.cli import main
 from kvevict.policies.registry import POLICIES
-from kvevict.replay import format_comparison, format_table, replay_table
+from kvevict.replay import compare, format_comparison, format_table, replay_table
+from kvevict.report import plot_comparison
 from kvevict.workloads import (
     TraceFile,
     bundled_trace_path,
@@ -86,14 +87,33 @@ def test_replay_metric_prefill_saved_ratio_prints_the_library_table(capsys, head
     assert table.get("lru", 300).prefill_saved_ratio > 0
 
 
-def test_replay_versus_prints_the_library_comparison(capsys, head):
+def test_replay_versus_prints_and_draws_the_library_comparison(capsys, head, tmp_path):
     captured = run(capsys, ["replay", "--trace", str(head), "--sizes", "300,900",
-                            "--policies", "lru,gdsf,arc", "--versus", "lru", "--quiet"])
+                            "--policies", "lru,gdsf,arc", "--versus", "lru", "--quiet",
+                            "--out", str(tmp_path)])
     table = replay_table(read_mooncake(head), ["lru", "gdsf", "arc"], [300, 900])
     out = captured.out
-    assert out.endswith(format_comparison(table, "lru") + "\n")
+    assert out.endswith(format_comparison(table, "lru") + "\n"
+                        f"wrote results.json, hit_ratio.png, versus.png to {tmp_path}\n")
     assert ("against lru: the ratio of the block hit ratio, and the difference with its 95% "
             "interval by batch means (18 batches of consecutive requests, at least 10)") in out
+    # the plot is the library's, byte for byte (PNGs are written without a timestamp)
+    plot_comparison(compare(table, "lru"), tmp_path / "lib.png",
+                    f"{head.name}: exact replay, 512-token blocks, request index clock")
+    assert (tmp_path / "versus.png").read_bytes() == (tmp_path / "lib.png").read_bytes()
+
+
+def test_replay_without_matplotlib_writes_the_results_and_says_so(capsys, head, tmp_path,
+                                                                   monkeypatch):
+    for name in ("matplotlib", "matplotlib.figure"):  # import of either now fails
+        monkeypatch.setitem(sys.modules, name, None)
+    captured = run(capsys, ["replay", "--trace", str(head), "--sizes", "300",
+                            "--policies", "lru,arc", "--versus", "lru", "--quiet",
+                            "--out", str(tmp_path)])
+    assert captured.err == 'note: plots need matplotlib: pip install "kvevict[plot]"\n'
+    assert captured.out.endswith(f"wrote results.json to {tmp_path}\n")
+    assert json.loads((tmp_path / "results.json").read_text())["policies"] == ["lru", "arc"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
 
 
 def test_replay_oracle_rows_horizons_and_the_infinite_cache(capsys, head, tmp_path):

@@ -437,13 +437,65 @@ def test_class_p95_figure_bars_and_error_bars():
     assert lows == [0.0, 0.0, 0.0, 0.0]  # every half-width exceeds its mean: cut at 0
 
 
+def _comparisons():
+    from kvevict.replay import Comparison
+
+    def c(policy, size, mean, half, baseline="lru", metric="block_hit_ratio"):
+        return Comparison(policy, baseline, size, metric, 0.1 + mean, 0.1,
+                          Interval(mean, half, 15))
+
+    return [c("learned", 1000, 0.012, 0.008), c("learned", 4000, 0.007, 0.012),
+            c("arc", 1000, -0.002, 0.004), c("arc", 4000, 0.01, 0.005),
+            c("belady", 1000, 0.2, 0.01), c("belady", 4000, 0.25, 0.02)]
+
+
+def test_comparison_figure_bars_fill_only_what_is_beyond_the_interval():
+    pytest.importorskip("matplotlib")
+    ax = report.comparison_figure(_comparisons(), "t").axes[0]
+    lines = ax.get_lines()
+    # per policy: its line (hollow markers) then, if any, the filled markers beyond 0
+    bars = {b.get_label(): b.lines[0] for b in ax.containers}  # errorbar: (line, caps, bars)
+    mains = [bars[p] for p in ("learned", "arc", "belady")]
+    assert [(p, ln.get_color(), ln.get_marker(), ln.get_linestyle(),
+             ln.get_markerfacecolor()) for p, ln in zip(bars, mains)] == [
+        ("learned", "#e7298a", "X", "-", "white"), ("arc", "#bcbd22", ">", "-", "white"),
+        ("belady", "#000000", "*", "--", "white")]
+    in_bars = {id(x) for b in ax.containers for x in (b.lines[0], *b.lines[1])}
+    filled = [ln for ln in lines if id(ln) not in in_bars and ln.get_linestyle() == "None"]
+    # learned at 1k (+.012 ± .008), arc at 4k, belady at both; not learned at 4k, arc at 1k
+    assert [(ln.get_color(), [round(y, 4) for y in ln.get_ydata()]) for ln in filled] == [
+        ("#e7298a", [0.012]), ("#bcbd22", [0.01]), ("#000000", [0.2, 0.25])]
+    # the bars: mean ± half, policies shifted apart on the size axis (2^(±0.06) around 1k)
+    learned = mains[0]
+    assert list(learned.get_xdata()) == pytest.approx([1000 * 2 ** -0.06, 4000 * 2 ** -0.06])
+    segments = [seg for coll in ax.collections for seg in coll.get_segments()]
+    spans = sorted((round(min(s[0][1], s[1][1]), 4), round(max(s[0][1], s[1][1]), 4))
+                   for s in segments)
+    assert (0.004, 0.02) in spans and (-0.005, 0.019) in spans and (-0.006, 0.002) in spans
+    assert ax.get_ylabel() == "block hit ratio − lru's"
+    assert [ln.get_ydata()[0] for ln in lines if ln.get_color() == "black"] == [0.0]
+
+
+def test_comparison_figure_errors():
+    from kvevict.replay import Comparison
+
+    with pytest.raises(ConfigError, match="at least one comparison"):
+        report.comparison_figure([], "t")
+    other = Comparison("arc", "learned", 1000, "block_hit_ratio", 0.1, 0.1,
+                       Interval(0.0, 0.01, 15))
+    with pytest.raises(ConfigError, match="one baseline and one metric; got "
+                                          "lru/block_hit_ratio and learned/block_hit_ratio"):
+        report.comparison_figure([*_comparisons(), other], "t")
+
+
 def test_plots_write_reproducible_pngs(tmp_path):
     pytest.importorskip("matplotlib")
     for name in ("a", "b"):
         report.plot_hit_ratio(_sweep(), tmp_path / f"hit_{name}.png", "t")
         report.plot_class_p95(_class_cells(), tmp_path / f"class_{name}.png", "t")
         report.plot_ttft_cdf({"lru": [0.1, 0.2]}, tmp_path / f"cdf_{name}.png", "t")
-    for kind in ("hit", "class", "cdf"):
+        report.plot_comparison(_comparisons(), tmp_path / f"versus_{name}.png", "t")
+    for kind in ("hit", "class", "cdf", "versus"):
         a = (tmp_path / f"{kind}_a.png").read_bytes()
         assert a.startswith(b"\x89PNG") and a == (tmp_path / f"{kind}_b.png").read_bytes()
 

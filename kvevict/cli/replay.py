@@ -1,7 +1,9 @@
 """``kvevict replay``: the exact block-level replay of a trace (`kvevict.replay`: one request
 at a time, no timing) through policies at several pool sizes; prints a Markdown table, and
 with ``--out DIR`` writes ``results.json`` and ``hit_ratio.png`` (every row against pool
-size, `kvevict.report.plot_replay`).
+size, `kvevict.report.plot_replay`). ``--versus NAME`` also prints every row against the row
+``NAME`` with its interval by batch means (`kvevict.replay.compare`), and with ``--out`` draws
+it as ``versus.png`` (`kvevict.report.plot_comparison`).
 
 By default the table is the **oracle decomposition**: every registered online policy, then
 the horizon oracle (``--horizons`` sweeps its H), the reuse oracle, Belady and the infinite
@@ -51,6 +53,7 @@ from kvevict.replay import (
     INFINITE,
     METRICS,
     MIN_BATCHES,
+    compare,
     default_policies,
     format_comparison,
     format_table,
@@ -323,8 +326,10 @@ def replay_command(args: argparse.Namespace) -> int:
           f"{block_size} tokens; time axis {args.time}"
           + (f"; {_VLLM_ENGINES[engine][1]}" if engine in _VLLM_ENGINES else ""))
     print(format_table(table, args.metric))
+    comparisons = None
     if versus is not None:
         metric = _plot_metric(args.metric)
+        comparisons = compare(table, versus, metric)
         batches = len(table.results[0].batches) if table.results else 0
         print(f"\nagainst {versus}: the ratio of the {metric.replace('_', ' ')}, and the "
               f"difference with its 95% interval by batch means ({batches} batches of "
@@ -354,13 +359,21 @@ def replay_command(args: argparse.Namespace) -> int:
             payload["policy_modules"] = policy_module_files(args)
         (out / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
         written = ["results.json"]
-        if engine == "kvevict":
-            from kvevict.report import plot_replay
+        from kvevict.report import plot_comparison, plot_replay
 
-            axis = "arrival seconds" if args.time == "arrival" else "request index"
-            plot_replay(table.rows(), out / "hit_ratio.png",
-                        f"{Path(str(args.trace)).name}: exact replay, {block_size}-token "
-                        f"blocks, {axis} clock", metric=_plot_metric(args.metric))
+        axis = "arrival seconds" if args.time == "arrival" else "request index"
+        replayed = ("exact replay" if engine == "kvevict"
+                    else _VLLM_ENGINES[engine][1].removesuffix(" (GPU tier)"))
+        title = (f"{Path(str(args.trace)).name}: {replayed}, {block_size}-token "
+                 f"{unit}, {axis} clock")
+        try:  # as kvevict simulate: without matplotlib, the results and a note saying so
+            plot_replay(table.rows(), out / "hit_ratio.png", title,
+                        metric=_plot_metric(args.metric))
             written.append("hit_ratio.png")
+            if comparisons:
+                plot_comparison(comparisons, out / "versus.png", title)
+                written.append("versus.png")
+        except ImportError as exc:
+            print(f"note: {exc}", file=sys.stderr)
         print(f"wrote {', '.join(written)} to {out}")
     return 0
