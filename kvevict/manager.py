@@ -889,8 +889,14 @@ class KVCacheManager:
         seq.status = "finished"
         self.stats.finished += 1
         if self._on_finish is not None:
+            request = seq.request
+            if not request.output_len and seq.num_generated:
+                # a request that declared no output (transformers' generate() decides its
+                # length): on_finish carries the tokens appended, the answer's length
+                request = attrs.evolve(request, output_len=seq.num_generated,
+                                       output_tokens=None)
             try:
-                self._on_finish(seq.request, blocks, now)
+                self._on_finish(request, blocks, now)
             except Exception as exc:
                 raise self._policy_error("on_finish", None, exc) from exc
         if error is not None:

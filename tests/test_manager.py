@@ -157,6 +157,35 @@ def test_finish_releases_tail_first(make_manager, evict_one_by_one):
     assert m.evict(5) == 0
 
 
+def test_on_finish_carries_the_answers_length(make_manager):
+    """A request that declared no output (a transformers turn: generate() decides) finishes
+    with the tokens appended as its ``output_len``; a declared one is kept."""
+    from kvevict.policies.lru import LRU
+
+    class Lengths(LRU):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_finish(self, request, blocks, now):
+            self.seen.append((request.request_id, request.output_len, request.turn))
+
+    policy = Lengths()
+    m = KVCacheManager(BlockPool(12, 4), policy)
+    m.begin(Request("a", tokens=A, turn=2))
+    m.append("a", [1, 2, 3])
+    m.append("a", [4, 5])
+    m.begin(Request("b", tokens=B, output_len=7))
+    m.append("b", [1, 2])
+    m.begin(Request("c", tokens=C[:4]))
+    m.finish("a")
+    m.finish("b")
+    m.finish("c")
+    assert policy.seen == [("a", 5, 2), ("b", 7, 0), ("c", 0, 0)]
+    assert m.sequences == {} and m.stats.finished == 3
+    m.check()
+
+
 def test_evict_count_is_capped_and_validated(make_manager):
     m = make_manager(8)
     m.begin(Request("a", tokens=A))

@@ -93,7 +93,9 @@ class Policy(abc.ABC):
 
     def on_finish(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
         """``request`` finished; ``blocks`` are the cached blocks it held, in order (empty if
-        it was preempted)."""
+        it was preempted). Its ``output_len`` is the answer's length: as the request
+        declared it or, when it declared none (0), the tokens appended to its sequence (the
+        vLLM plugin: the tokens the request generated)."""
 
     def on_preempt(self, request: Request, blocks: Sequence[BlockInfo], now: float) -> None:
         """``request`` was preempted and waits to resume (a scheduler resumes preempted
