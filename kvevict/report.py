@@ -811,6 +811,17 @@ def _size_axis(ax: Any, sizes: Sequence[int]) -> None:
 SIZE_OFFSET_LOG2 = 0.025
 
 
+def _size_shift(i: int, m: int, step: float) -> float:
+    """The factor line ``i`` of ``m`` is shifted by on a log2 size axis: ``2^((i - (m - 1) /
+    2) · step)``, so that the lines are centred on the true size."""
+    return 2.0 ** ((i - (m - 1) / 2) * step)
+
+
+def _size_spread(m: int, step: float) -> float:
+    """The largest relative shift of ``m`` lines (`_size_shift`'s outermost, less 1)."""
+    return 2.0 ** ((m - 1) / 2 * step) - 1.0
+
+
 def hit_ratio_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
                      metric: str = "token_hit_ratio",
                      exact: Mapping[int, float | Interval] | None = None,
@@ -838,7 +849,7 @@ def hit_ratio_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
                      if r["policy"] == p and isinstance(r.get(metric), Interval))
         if not pts:
             continue
-        shift = 2.0 ** ((i - (m - 1) / 2) * SIZE_OFFSET_LOG2)
+        shift = _size_shift(i, m, SIZE_OFFSET_LOG2)
         xs = [c * shift for c, _ in pts]
         style = policy_style(p)
         ax.plot(xs, [iv.mean for _, iv in pts], label=policy_label(p), color=style["color"],
@@ -862,7 +873,7 @@ def hit_ratio_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
     if inf:
         ax.axhline(max(inf), color="grey", linewidth=0.9, linestyle=":", label="infinite cache")
     _size_axis(ax, sizes)
-    spread = 2.0 ** ((m - 1) / 2 * SIZE_OFFSET_LOG2) - 1.0
+    spread = _size_spread(m, SIZE_OFFSET_LOG2)
     notes = []
     if m > 1:
         notes.append(f"x shifted ≤ ±{spread:.0%} per policy\nso coinciding lines stay visible")
@@ -931,7 +942,7 @@ def replay_figure(rows: Sequence[Mapping[str, Any]], title: str, *,
         marker = style["marker"] if k == 0 else others[(k - 1) % len(others)]
         pts = sorted((int(r["capacity_blocks"]), float(r[metric])) for r in rows
                      if r["policy"] == p)
-        shift = 2.0 ** ((i - (m - 1) / 2) * SIZE_OFFSET_LOG2)
+        shift = _size_shift(i, m, SIZE_OFFSET_LOG2)
         ax.plot([c * shift for c, _ in pts], [v for _, v in pts], label=p, color=color,
                 marker=marker, markersize=6, linewidth=1.4, zorder=3 + i,
                 linestyle="--" if is_offline(base) else "-")
@@ -940,7 +951,7 @@ def replay_figure(rows: Sequence[Mapping[str, Any]], title: str, *,
         ax.axhline(max(inf), color="grey", linewidth=1.0, linestyle=":",
                    label=f"infinite cache ({max(inf):.3f})")
     _size_axis(ax, sizes)
-    spread = 2.0 ** ((m - 1) / 2 * SIZE_OFFSET_LOG2) - 1.0
+    spread = _size_spread(m, SIZE_OFFSET_LOG2)
     note = ("exact replay: dashed = oracles\n"
             + (f"x shifted ≤ ±{spread:.0%} per line\nso coinciding lines stay visible"
                if m > 1 else ""))
@@ -986,7 +997,7 @@ def comparison_figure(comparisons: Sequence[Any], title: str) -> Any:
         base = p.split(" ", 1)[0]
         style = policy_style(base)
         color = style["color"] if base != INFINITE_LABEL else "#7f7f7f"
-        shift = 2.0 ** ((i - (m - 1) / 2) * BAR_OFFSET_LOG2)
+        shift = _size_shift(i, m, BAR_OFFSET_LOG2)
         xs = [size * shift for size, _ in pts]
         ys = [c.difference.mean for _, c in pts]
         ax.errorbar(xs, ys, yerr=[c.difference.half for _, c in pts], color=color,
@@ -999,7 +1010,7 @@ def comparison_figure(comparisons: Sequence[Any], title: str) -> Any:
                     marker=style["marker"], markersize=7, linestyle="none", zorder=3 + m + i)
     ax.axhline(0.0, color="black", linewidth=0.9, zorder=2)
     _size_axis(ax, sorted({c.capacity_blocks for c in comparisons}))
-    spread = 2.0 ** ((m - 1) / 2 * BAR_OFFSET_LOG2) - 1.0
+    spread = _size_spread(m, BAR_OFFSET_LOG2)
     confidence = first.difference.confidence
     note = (f"bars: {confidence:.0%} interval by\nbatch means, paired with {first.baseline}\n"
             "filled: beyond it; hollow: n.s."
