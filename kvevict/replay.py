@@ -196,7 +196,7 @@ class ReplayResult:
     #: of those, the seconds the cached prefixes saved
     prefill_saved_s: float = 0.0
     #: the same counts by batches of consecutive requests, each as `BATCH_FIELDS` (batch
-    #: means, see the module docstring; empty from the vLLM engines)
+    #: means, see the module docstring; the vLLM engines keep them too)
     batches: tuple[tuple[float, ...], ...] = ()
 
     @property
