@@ -82,7 +82,7 @@ import os
 import sys
 import time as _time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import kvevict.policies  # noqa: F401  (registers the built-in policies)
@@ -109,7 +109,7 @@ from kvevict.types import ManualClock, Request
 __all__ = ["BATCH_FIELDS", "INFINITE", "MAX_LAG1", "METRICS", "MIN_BATCHES", "ORACLES",
            "Batches", "Comparison", "ReplayRecord", "ReplayResult", "ReplayTable", "compare",
            "default_policies", "format_comparison", "format_table", "format_tier_table",
-           "horizon_label", "lag1", "lag1_factor", "main", "open_trace", "replay",
+           "horizon_label", "lag1", "lag1_factor", "load_results", "main", "open_trace", "replay",
            "replay_table"]
 
 #: ``progress(phase, requests done)`` is called every this many requests (and at the end).
@@ -225,10 +225,49 @@ class ReplayResult:
     def as_dict(self) -> dict[str, Any]:
         """Every field (``records`` as a list of dicts, or None) and the three ratios."""
         out = asdict(self)
-        out["block_hit_ratio"] = self.block_hit_ratio
-        out["token_hit_ratio"] = self.token_hit_ratio
-        out["prefill_saved_ratio"] = self.prefill_saved_ratio
+        for name in _RATIOS:
+            out[name] = getattr(self, name)
         return out
+
+    @classmethod
+    def from_dict(cls, row: Mapping[str, Any]) -> ReplayResult:
+        """The result `as_dict` gave ``row`` (a row of a ``results.json``): the inverse, exact.
+
+        Raises:
+            ConfigError: a field missing or unknown, or a ratio that is not the one the
+                counts give (the row was edited or cut).
+        """
+        if not isinstance(row, Mapping):
+            raise ConfigError(f"a replay result is a mapping of its fields, got "
+                              f"{type(row).__name__}")
+        names = _RESULT_FIELDS
+        label = f"the row of {row.get('policy', '?')!r} at {row.get('capacity_blocks', '?')}"
+        unknown = sorted(set(row) - set(names) - set(_RATIOS))
+        if unknown:
+            raise ConfigError(f"{label} has unknown fields {', '.join(unknown)} (a replay "
+                              f"result has {', '.join(names)} and the three ratios)")
+        missing = [f for f in _REQUIRED_FIELDS if f not in row]
+        if missing:
+            raise ConfigError(f"{label} lacks {', '.join(missing)}")
+        kwargs = {f: row[f] for f in names if f in row}
+        records = kwargs.get("records")
+        if records is not None:
+            kwargs["records"] = tuple(ReplayRecord(**r) for r in records)
+        kwargs["batches"] = tuple(tuple(b) for b in kwargs.get("batches", ()))
+        result = cls(**kwargs)
+        for name in _RATIOS:
+            if name in row and row[name] != getattr(result, name):
+                raise ConfigError(f"{label} says {name} = {row[name]!r}, but its counts give "
+                                  f"{getattr(result, name)!r}")
+        return result
+
+
+#: The ratios `ReplayResult.as_dict` adds to the fields.
+_RATIOS = ("block_hit_ratio", "token_hit_ratio", "prefill_saved_ratio")
+_RESULT_FIELDS = tuple(f.name for f in fields(ReplayResult))
+#: The fields a row must give (the rest have defaults).
+_REQUIRED_FIELDS = ("policy", "capacity_blocks", "block_size", "requests", "accesses", "hits",
+                    "token_queries", "token_hits", "evictions")
 
 
 def _label(policy: PolicySpec) -> str:
@@ -635,6 +674,54 @@ class ReplayTable:
         """One dict per (policy, size), as `ReplayResult.as_dict`."""
         return [r.as_dict() for r in self.results]
 
+    @classmethod
+    def from_rows(cls, rows: Iterable[Mapping[str, Any]]) -> ReplayTable:
+        """The table whose `rows` are ``rows`` (`ReplayResult.from_dict` each): policies and
+        sizes in the order they first appear.
+
+        Raises:
+            ConfigError: no rows, a (policy, size) given twice or missing (every policy
+                needs every size), or a bad row.
+        """
+        results = [ReplayResult.from_dict(r) for r in rows]
+        if not results:
+            raise ConfigError("a replay table needs at least one row")
+        policies = list(dict.fromkeys(r.policy for r in results))
+        capacities = list(dict.fromkeys(r.capacity_blocks for r in results))
+        cells: set[tuple[str, int]] = set()
+        for r in results:
+            cell = (r.policy, r.capacity_blocks)
+            if cell in cells:
+                raise ConfigError(f"two rows of {r.policy!r} at {r.capacity_blocks:,} blocks")
+            cells.add(cell)
+        for p in policies:
+            lacking = [c for c in capacities if (p, c) not in cells]
+            if lacking:
+                raise ConfigError(f"{p!r} has no row at {', '.join(f'{c:,}' for c in lacking)}"
+                                  f" blocks (the table's sizes: "
+                                  f"{', '.join(f'{c:,}' for c in capacities)})")
+        return cls(policies, capacities, results)
+
+    def select(self, policies: Sequence[str] | None = None,
+               capacities: Sequence[int] | None = None) -> ReplayTable:
+        """The rows of ``policies`` at ``capacities`` (None: all), in the order given.
+
+        Raises:
+            ConfigError: a policy or size the table does not have, named with those it has.
+        """
+        policies = list(self.policies if policies is None else policies)
+        capacities = list(self.capacities if capacities is None else capacities)
+        unknown = [p for p in policies if p not in self.policies]
+        if unknown:
+            raise ConfigError(f"no row {unknown[0]!r} in this table (rows: "
+                              f"{', '.join(self.policies)})")
+        absent = [c for c in capacities if c not in self.capacities]
+        if absent:
+            raise ConfigError(f"no size {absent[0]:,} in this table (sizes: "
+                              f"{', '.join(f'{c:,}' for c in self.capacities)})")
+        return ReplayTable(policies, capacities,
+                           [self.get(p, c) for p in policies for c in capacities])
+
 
 def replay_table(requests: Iterable[Request],
                  policies: Sequence[str] | Mapping[str, PolicySpec] | None = None,
@@ -888,6 +975,39 @@ def format_tier_table(table: ReplayTable, digits: int = 4) -> str:
 
 
 # -- command line --------------------------------------------------------------------------
+
+
+def load_results(path: str | os.PathLike[str]) -> tuple[ReplayTable, dict[str, Any]]:
+    """Read back what ``kvevict replay --out DIR`` wrote: ``path`` is ``DIR`` or its
+    ``results.json``. Returns the table (`ReplayTable.from_rows`, the batches included, so
+    `compare` runs on it against any row) and the rest of the file (trace, engine, sizes,
+    command, ...).
+
+    Raises:
+        ConfigError: no such file, not JSON, no ``results`` list, or a bad row; each names
+            the file.
+    """
+    import json
+
+    file = os.fspath(path)
+    if os.path.isdir(file):
+        file = os.path.join(file, "results.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            payload = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"no replay results at {file} (kvevict replay --out DIR writes "
+                          "DIR/results.json)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read replay results from {file}: {exc}") from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("results"), list):
+        raise ConfigError(f"{file} is not a replay's results.json: it has no 'results' list")
+    try:
+        table = ReplayTable.from_rows(payload["results"])
+    except (ConfigError, TypeError) as exc:
+        raise ConfigError(f"{file}: {exc}") from None
+    meta = {k: v for k, v in payload.items() if k != "results"}
+    return table, meta
 
 
 def open_trace(trace: str | os.PathLike[str], format: str = "mooncake", *,

@@ -116,6 +116,54 @@ def test_replay_without_matplotlib_writes_the_results_and_says_so(capsys, head, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
 
 
+def test_replay_from_saved_results_prints_what_the_replay_did(capsys, head, tmp_path):
+    saved = tmp_path / "saved"
+    replayed = run(capsys, ["replay", "--trace", str(head), "--sizes", "300,900",
+                            "--policies", "lru,gdsf,arc", "--versus", "lru", "--quiet",
+                            "--out", str(saved)])
+    # the same table and comparison, read back from results.json: nothing is replayed
+    again = run(capsys, ["replay", "--from", str(saved), "--versus", "lru"])
+    assert again.out == replayed.out.replace(f"wrote results.json, hit_ratio.png, versus.png "
+                                             f"to {saved}\n", "")
+    assert again.err == ""
+    # against another row, a subset of rows and sizes, plots only
+    plots = tmp_path / "plots"
+    captured = run(capsys, ["replay", "--from", str(saved / "results.json"), "--policies",
+                            "lru,arc", "--sizes", "900", "--versus", "arc", "--out",
+                            str(plots)])
+    table = replay_table(read_mooncake(head), ["lru", "arc"], [900])
+    assert captured.out.endswith(format_comparison(table, "arc") + "\n"
+                                 f"wrote hit_ratio.png, versus.png to {plots}\n")
+    assert "\n".join(captured.out.splitlines()[1:5]) == format_table(table)
+    assert sorted(p.name for p in plots.iterdir()) == ["hit_ratio.png", "versus.png"]
+    plot_comparison(compare(table, "arc"), tmp_path / "lib.png",
+                    f"{head.name}: exact replay, 512-token blocks, request index clock")
+    assert (plots / "versus.png").read_bytes() == (tmp_path / "lib.png").read_bytes()
+
+
+def test_replay_from_errors(capsys, head, tmp_path):
+    saved = tmp_path / "saved"
+    run(capsys, ["replay", "--trace", str(head), "--sizes", "300", "--policies", "lru,arc",
+                 "--quiet", "--out", str(saved)])
+    cases = [
+        (["--trace", str(head)], f"kvevict: error: --trace says how to replay a trace; --from "
+                                 f"{saved} replays nothing (it reads the results a replay "
+                                 "saved)"),
+        (["--time", "arrival"], "kvevict: error: --time says how to replay a trace"),
+        (["--host-blocks", "10"], "kvevict: error: --host-blocks says how to replay a trace"),
+        (["--versus", "gdsf"], "kvevict: error: --versus 'gdsf' is not a row of these results "
+                               "(rows: lru, arc)"),
+        (["--policies", "lfu"], "kvevict: error: no row 'lfu' in this table (rows: lru, arc)"),
+        (["--sizes", "900"], "kvevict: error: no size 900 in this table (sizes: 300)"),
+    ]
+    for argv, expected in cases:
+        message = user_error(capsys, ["replay", "--from", str(saved), *argv])
+        assert message.startswith(expected), message
+    message = user_error(capsys, ["replay", "--from", str(tmp_path)])
+    assert message == (f"kvevict: error: no replay results at {tmp_path / 'results.json'} "
+                       "(kvevict replay --out DIR writes DIR/results.json)")
+
+
 def test_replay_oracle_rows_horizons_and_the_infinite_cache(capsys, head, tmp_path):
     out = tmp_path / "out"
     captured = run(capsys, ["replay", "--trace", str(head), "--sizes", "300,900", "--time",

@@ -21,6 +21,7 @@ from kvevict.replay import (
     format_table,
     lag1,
     lag1_factor,
+    load_results,
     main,
     replay,
     replay_table,
@@ -566,6 +567,57 @@ def test_compare_errors():
     with pytest.raises(ConfigError, match="lfu and lru at 3 blocks were not replayed on the "
                                           "same requests"):
         compare(mixed, "lru")
+
+
+def test_load_results_is_the_exact_inverse_of_results_json(tmp_path):
+    """What ``--out`` writes reads back to equal results (records, tiers and batches
+    included), so `compare` against any row after the fact gives what it gave then."""
+    from kvevict.tiers import Tier, TierStack
+
+    trace = read_mooncake(bundled_trace_path())[:400]
+    table = replay_table(trace, ["lru", "arc"], (300, 900), records=True,
+                         tiers=lambda: TierStack([Tier(200, name="host")]))
+    payload = {"trace": "head", "engine": "kvevict", "results": table.rows()}
+    (tmp_path / "results.json").write_text(json.dumps(payload, indent=2))
+    loaded, meta = load_results(tmp_path)  # the directory, or the file
+    assert meta == {"trace": "head", "engine": "kvevict"}
+    assert loaded == table and load_results(tmp_path / "results.json")[0] == table
+    assert loaded.get("arc", 900).tiers["hits"]["host"] > 0
+    assert compare(loaded, "arc") == compare(table, "arc")
+    assert loaded.select(["arc"], [900]) == ReplayTable(["arc"], [900],
+                                                        [table.get("arc", 900)])
+
+
+def test_load_results_errors_name_the_file_and_the_row(tmp_path):
+    table = replay_table(_small(), ["lru", "lfu"], (3, 4), 4)
+    rows = table.rows()
+    path = tmp_path / "results.json"
+
+    def fails(payload, match):
+        path.write_text(payload if isinstance(payload, str) else json.dumps(payload))
+        with pytest.raises(ConfigError, match=match):
+            load_results(path)
+
+    fails("{", r"cannot read replay results from .*results.json: Expecting")
+    fails({"rows": rows}, r"results.json is not a replay's results.json: it has no "
+                          r"'results' list")
+    fails({"results": []}, "a replay table needs at least one row")
+    fails({"results": [dict(rows[0], colour=1)]},
+          r"results.json: the row of 'lru' at 3 has unknown fields colour \(a replay result "
+          r"has policy, capacity_blocks, ")
+    fails({"results": [{k: v for k, v in rows[0].items() if k != "hits"}]},
+          "the row of 'lru' at 3 lacks hits")
+    fails({"results": [dict(rows[0], hits=rows[0]["hits"] + 1)]},
+          r"the row of 'lru' at 3 says block_hit_ratio = .*, but its counts give ")
+    fails({"results": [rows[0], rows[0]]}, "two rows of 'lru' at 3 blocks")
+    fails({"results": rows[:3]}, "'lfu' has no row at 4 blocks \\(the table's sizes: 3, 4\\)")
+    with pytest.raises(ConfigError,
+                       match=r"no replay results at .*/nowhere \(kvevict replay --out DIR "):
+        load_results(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match=r"no row 'arc' in this table \(rows: lru, lfu\)"):
+        table.select(["arc"])
+    with pytest.raises(ConfigError, match=r"no size 5 in this table \(sizes: 3, 4\)"):
+        table.select(None, [5])
 
 
 def test_progress_is_called_per_pass():

@@ -565,6 +565,11 @@ def test_replay_table_and_cli(g, tmp_path, capsys):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["engine"] == "vllm" and saved["vllm_version"].startswith("0.32")
     assert [r["hits"] for r in saved["results"]] == [r.hits for r in table.results]
+    # read back with --from, nothing replayed: the same table, against another row
+    assert main(["replay", "--from", str(tmp_path), "--versus", "lfu"]) == 0
+    again = capsys.readouterr().out
+    assert again.startswith(out.splitlines()[0] + "\n" + format_table(table) + "\n")
+    assert again.endswith(format_comparison(table, "lfu") + "\n")
     for argv, message in [(["--policies", "belady"], "online policies"),
                           (["--policies", "vllm:arc"], "unknown policy vllm:arc"),
                           (["--records"], "--records is for --engine kvevict"),

@@ -53,12 +53,14 @@ from kvevict.replay import (
     INFINITE,
     METRICS,
     MIN_BATCHES,
+    ReplayTable,
     compare,
     default_policies,
     format_comparison,
     format_table,
     format_tier_table,
     horizon_label,
+    load_results,
     open_trace,
     replay_table,
 )
@@ -76,6 +78,10 @@ _VLLM_ENGINES = {"vllm-offload": ("offload chunks", "vLLM's CPUOffloadingManager
 #: `LOG_STEPS` of them).
 BAR_STEPS = 40
 LOG_STEPS = 10
+#: Options that say how to replay a trace: refused with ``--from`` (which replays nothing)
+#: when they differ from their defaults.
+_REPLAY_ONLY = ("trace", "format", "engine", "horizons", "block_size", "time", "records",
+                "workdir", "host_blocks", "host_policy", "host_profile")
 
 
 def add_parser(sub: Any) -> None:
@@ -87,9 +93,10 @@ def add_parser(sub: Any) -> None:
                           "default; --format mooncake)")
     rep.add_argument("--format", choices=FORMATS, default="mooncake",
                      help="trace file format (default %(default)s)")
-    rep.add_argument("--sizes", type=int_list, default=list(DEFAULT_SIZES),
+    rep.add_argument("--sizes", type=int_list, default=None,
                      help="comma-separated pool sizes in blocks (default: "
-                          f"{','.join(map(str, DEFAULT_SIZES))})")
+                          f"{','.join(map(str, DEFAULT_SIZES))}; with --from, those of the "
+                          "saved results to show, all by default)")
     rep.add_argument("--engine", choices=ENGINES, default="kvevict",
                      help="whose bookkeeping replays the trace: kvevict's block manager (the "
                           "default), vLLM's real CPUOffloadingManager (vllm-offload; sizes in "
@@ -138,8 +145,14 @@ def add_parser(sub: Any) -> None:
     rep.add_argument("--host-profile", default="host-pcie5",
                      help="the host tier's link (kvevict.tiers.TIER_PROFILES; default "
                           "%(default)s)")
+    rep.add_argument("--from", dest="saved", type=Path, default=None, metavar="DIR",
+                     help="replay nothing: read the results.json that --out DIR wrote (DIR "
+                          "or the file) and print its table, or --versus against another "
+                          "row; --policies and --sizes pick rows and sizes, --out writes the "
+                          "plots only")
     rep.add_argument("--quiet", action="store_true", help="no progress output")
-    rep.set_defaults(run=replay_command)
+    rep.set_defaults(run=replay_command,
+                     replay_defaults={d: rep.get_default(d) for d in _REPLAY_ONLY})
 
 
 def _host_tier(args: argparse.Namespace) -> Any:
@@ -258,8 +271,7 @@ def _plot_metric(metric: str) -> str:
     return metric if metric.endswith("_ratio") else "block_hit_ratio"
 
 
-def replay_command(args: argparse.Namespace) -> int:
-    sizes = list(args.sizes)
+def _check_sizes(sizes: list[int]) -> None:
     if not sizes:
         raise ConfigError("--sizes needs at least one pool size in blocks")
     bad = [s for s in sizes if s <= 0]
@@ -268,8 +280,16 @@ def replay_command(args: argparse.Namespace) -> int:
                           f"{bad[0]}")
     if len(set(sizes)) != len(sizes):
         raise ConfigError(f"--sizes gives a size twice: {','.join(map(str, sizes))}")
+
+
+def replay_command(args: argparse.Namespace) -> int:
+    if args.sizes is not None:
+        _check_sizes(list(args.sizes))
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ConfigError(f"--out {args.out} exists and is not a directory")
+    if getattr(args, "saved", None) is not None:
+        return _saved_command(args)
+    sizes = list(args.sizes) if args.sizes is not None else list(DEFAULT_SIZES)
     if args.workdir is not None and not args.workdir.is_dir():
         raise ConfigError(f"--workdir {args.workdir} is not a directory")
     engine = getattr(args, "engine", "kvevict")
@@ -322,58 +342,99 @@ def replay_command(args: argparse.Namespace) -> int:
         policies = list(table.policies)
         unit = "blocks"
     requests = table.results[0].requests if table.results else 0
-    print(f"trace {args.trace} ({args.format}): {requests:,} requests; {unit} of "
-          f"{block_size} tokens; time axis {args.time}"
-          + (f"; {_VLLM_ENGINES[engine][1]}" if engine in _VLLM_ENGINES else ""))
+    meta: dict[str, Any] = {
+        "trace": str(args.trace), "format": args.format, "block_size": block_size,
+        "time": args.time, "requests": requests, "sizes": sizes, "policies": policies,
+        "command": recorded_command(args), "engine": engine,
+    }
+    if horizons is not None:  # an infinite H as "inf" (JSON has no infinity)
+        meta["horizons"] = [h if math.isfinite(h) else "inf" for h in horizons]
+    if tiers is not None:
+        meta["host"] = {"blocks": args.host_blocks, "policy": args.host_policy,
+                        "profile": args.host_profile}
+    if engine in _VLLM_ENGINES:
+        from kvevict.adapters.vllm import vllm_version
+
+        meta["vllm_version"] = vllm_version()
+    if args.policy_module:
+        meta["policy_modules"] = policy_module_files(args)
+    _report(args, table, meta, save=args.out is not None)
+    return 0
+
+
+def _saved_command(args: argparse.Namespace) -> int:
+    """``--from``: the table and comparisons of saved results; nothing is replayed."""
+    defaults = args.replay_defaults
+    given = [d for d in _REPLAY_ONLY if getattr(args, d) != defaults[d]]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ConfigError(f"{flag} says how to replay a trace; --from {args.saved} replays "
+                          "nothing (it reads the results a replay saved)")
+    table, meta = load_results(args.saved)
+    policies = parse_policies(args.policies) if args.policies is not None else None
+    table = table.select(policies, args.sizes)
+    if args.versus is not None and args.versus not in table.policies:
+        raise ConfigError(f"--versus {args.versus!r} is not a row of these results (rows: "
+                          f"{', '.join(table.policies)})")
+    meta.setdefault("trace", str(args.saved))
+    _report(args, table, meta, save=False)
+    return 0
+
+
+def _report(args: argparse.Namespace, table: ReplayTable, meta: dict[str, Any],
+            save: bool) -> None:
+    """Print the table (and ``--versus``, the tier table), and with ``--out`` draw the plots
+    (and, when ``save``, write results.json: ``meta`` and the table's rows)."""
+    engine = meta.get("engine", "kvevict")
+    unit = _VLLM_ENGINES[engine][0] if engine in _VLLM_ENGINES else "blocks"
+    block_size = meta.get("block_size", table.results[0].block_size)
+    time = meta.get("time", "index")
+    versus = args.versus
+    print(f"trace {meta['trace']} ({meta.get('format', 'mooncake')}): "
+          f"{table.results[0].requests:,} requests; {unit} of {block_size} tokens; time axis "
+          f"{time}" + (f"; {_VLLM_ENGINES[engine][1]}" if engine in _VLLM_ENGINES else ""))
     print(format_table(table, args.metric))
     comparisons = None
     if versus is not None:
         metric = _plot_metric(args.metric)
         comparisons = compare(table, versus, metric)
-        batches = len(table.results[0].batches) if table.results else 0
+        batches = len(table.results[0].batches)
         print(f"\nagainst {versus}: the ratio of the {metric.replace('_', ' ')}, and the "
               f"difference with its 95% interval by batch means ({batches} batches of "
               f"consecutive requests, at least {MIN_BATCHES}); bold where it excludes 0, "
               "n.s. (no significant difference) where it does not")
         print(format_comparison(table, versus, metric))
-    if tiers is not None:
-        print(f"\nwith a host tier of {args.host_blocks:,} blocks ({args.host_policy}, "
-              f"{args.host_profile}): blocks served by each tier over blocks looked up; GiB "
-              "moved at the cost model's KV bytes per block")
+    if any(r.tiers for r in table.results):
+        host = meta.get("host")
+        about = (f" of {host['blocks']:,} blocks ({host['policy']}, {host['profile']})"
+                 if host else "")
+        print(f"\nwith a host tier{about}: blocks served by each tier over blocks looked up; "
+              "GiB moved at the cost model's KV bytes per block")
         print(format_tier_table(table))
-    if args.out is not None:
-        out: Path = args.out
-        out.mkdir(parents=True, exist_ok=True)
-        payload: dict[str, Any] = {
-            "trace": str(args.trace), "format": args.format, "block_size": block_size,
-            "time": args.time, "requests": requests, "sizes": sizes, "policies": policies,
-            "results": table.rows(), "command": recorded_command(args), "engine": engine,
-        }
-        if horizons is not None:  # an infinite H as "inf" (JSON has no infinity)
-            payload["horizons"] = [h if math.isfinite(h) else "inf" for h in horizons]
-        if engine in _VLLM_ENGINES:
-            from kvevict.adapters.vllm import vllm_version
+    if args.out is None:
+        return
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    if save:
+        payload = dict(meta, results=table.rows())
+        (out / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True)
+                                          + "\n")
+        written.append("results.json")
+    from kvevict.report import plot_comparison, plot_replay
 
-            payload["vllm_version"] = vllm_version()
-        if args.policy_module:
-            payload["policy_modules"] = policy_module_files(args)
-        (out / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-        written = ["results.json"]
-        from kvevict.report import plot_comparison, plot_replay
-
-        axis = "arrival seconds" if args.time == "arrival" else "request index"
-        replayed = ("exact replay" if engine == "kvevict"
-                    else _VLLM_ENGINES[engine][1].removesuffix(" (GPU tier)"))
-        title = (f"{Path(str(args.trace)).name}: {replayed}, {block_size}-token "
-                 f"{unit}, {axis} clock")
-        try:  # as kvevict simulate: without matplotlib, the results and a note saying so
-            plot_replay(table.rows(), out / "hit_ratio.png", title,
-                        metric=_plot_metric(args.metric))
-            written.append("hit_ratio.png")
-            if comparisons:
-                plot_comparison(comparisons, out / "versus.png", title)
-                written.append("versus.png")
-        except ImportError as exc:
-            print(f"note: {exc}", file=sys.stderr)
-        print(f"wrote {', '.join(written)} to {out}")
-    return 0
+    axis = "arrival seconds" if time == "arrival" else "request index"
+    replayed = ("exact replay" if engine == "kvevict"
+                else _VLLM_ENGINES[engine][1].removesuffix(" (GPU tier)"))
+    title = (f"{Path(str(meta['trace'])).name}: {replayed}, {block_size}-token "
+             f"{unit}, {axis} clock")
+    try:  # as kvevict simulate: without matplotlib, the results and a note saying so
+        plot_replay(table.rows(), out / "hit_ratio.png", title,
+                    metric=_plot_metric(args.metric))
+        written.append("hit_ratio.png")
+        if comparisons:
+            plot_comparison(comparisons, out / "versus.png", title)
+            written.append("versus.png")
+    except ImportError as exc:
+        print(f"note: {exc}", file=sys.stderr)
+    print(f"wrote {', '.join(written) or 'nothing'} to {out}")
