@@ -540,14 +540,17 @@ def test_replay_with_a_host_tier_counts_hits_by_tier():
         replay(_trace(), "lru", 4, BS, tiers=TierStack([Tier(8)]))
 
 
-def test_cli_replay_host_blocks(capsys):
+def test_cli_replay_host_blocks(capsys, tmp_path):
     from kvevict.cli import main
 
     assert main(["replay", "--policies", "lru", "--sizes", "200", "--host-blocks", "800",
-                 "--quiet"]) == 0
+                 "--quiet", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "with a host tier of 800 blocks (lru, host-pcie5)" in out
     assert "| policy | pool blocks | hit device | hit host | hit total |" in out
+    # read back (--from): the same tables, the tier named from results.json
+    assert main(["replay", "--from", str(tmp_path)]) == 0
+    assert out.startswith(capsys.readouterr().out)
 
 
 # -- the batched demotion equals one placement after another --------------------------------
