@@ -77,6 +77,7 @@ Run ``kvevict replay`` (or ``python -m kvevict.replay``) for the Markdown table,
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -250,15 +251,19 @@ class ReplayResult:
         if missing:
             raise ConfigError(f"{label} lacks {', '.join(missing)}")
         kwargs = {f: row[f] for f in names if f in row}
-        records = kwargs.get("records")
-        if records is not None:
-            kwargs["records"] = tuple(ReplayRecord(**r) for r in records)
-        kwargs["batches"] = tuple(tuple(b) for b in kwargs.get("batches", ()))
-        result = cls(**kwargs)
-        for name in _RATIOS:
-            if name in row and row[name] != getattr(result, name):
+        try:
+            records = kwargs.get("records")
+            if records is not None:
+                kwargs["records"] = tuple(ReplayRecord(**r) for r in records)
+            kwargs["batches"] = tuple(tuple(b) for b in kwargs.get("batches", ()))
+            result = cls(**kwargs)
+            ratios = {name: getattr(result, name) for name in _RATIOS}
+        except (TypeError, ValueError) as exc:  # a record's fields, a count that is no number
+            raise ConfigError(f"{label} is not a replay result: {exc}") from None
+        for name, value in ratios.items():
+            if name in row and row[name] != value:
                 raise ConfigError(f"{label} says {name} = {row[name]!r}, but its counts give "
-                                  f"{getattr(result, name)!r}")
+                                  f"{value!r}")
         return result
 
 
@@ -707,10 +712,15 @@ class ReplayTable:
         """The rows of ``policies`` at ``capacities`` (None: all), in the order given.
 
         Raises:
-            ConfigError: a policy or size the table does not have, named with those it has.
+            ConfigError: a policy or size the table does not have, named with those it has,
+                or one named twice.
         """
         policies = list(self.policies if policies is None else policies)
         capacities = list(self.capacities if capacities is None else capacities)
+        for kind, names in (("policy", policies), ("size", capacities)):
+            twice = [x for i, x in enumerate(names) if x in names[:i]]
+            if twice:
+                raise ConfigError(f"select names the {kind} {twice[0]!r} twice")
         unknown = [p for p in policies if p not in self.policies]
         if unknown:
             raise ConfigError(f"no row {unknown[0]!r} in this table (rows: "
@@ -987,8 +997,6 @@ def load_results(path: str | os.PathLike[str]) -> tuple[ReplayTable, dict[str, A
         ConfigError: no such file, not JSON, no ``results`` list, or a bad row; each names
             the file.
     """
-    import json
-
     file = os.fspath(path)
     if os.path.isdir(file):
         file = os.path.join(file, "results.json")

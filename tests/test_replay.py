@@ -609,6 +609,10 @@ def test_load_results_errors_name_the_file_and_the_row(tmp_path):
           "the row of 'lru' at 3 lacks hits")
     fails({"results": [dict(rows[0], hits=rows[0]["hits"] + 1)]},
           r"the row of 'lru' at 3 says block_hit_ratio = .*, but its counts give ")
+    fails({"results": [dict(rows[0], hits="many")]},
+          "the row of 'lru' at 3 is not a replay result: unsupported operand")
+    fails({"results": [dict(rows[0], records=[{"index": 0}])]},
+          "the row of 'lru' at 3 is not a replay result: .*missing")
     fails({"results": [rows[0], rows[0]]}, "two rows of 'lru' at 3 blocks")
     fails({"results": rows[:3]}, "'lfu' has no row at 4 blocks \\(the table's sizes: 3, 4\\)")
     with pytest.raises(ConfigError,
@@ -618,6 +622,8 @@ def test_load_results_errors_name_the_file_and_the_row(tmp_path):
         table.select(["arc"])
     with pytest.raises(ConfigError, match=r"no size 5 in this table \(sizes: 3, 4\)"):
         table.select(None, [5])
+    with pytest.raises(ConfigError, match="select names the policy 'lru' twice"):
+        table.select(["lru", "lru"])
 
 
 def test_progress_is_called_per_pass():
