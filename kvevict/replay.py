@@ -268,7 +268,7 @@ class ReplayResult:
 
 
 #: The ratios `ReplayResult.as_dict` adds to the fields.
-_RATIOS = ("block_hit_ratio", "token_hit_ratio", "prefill_saved_ratio")
+_RATIOS = tuple(_RATIO_PARTS)
 _RESULT_FIELDS = tuple(f.name for f in fields(ReplayResult))
 #: The fields a row must give (the rest have defaults).
 _REQUIRED_FIELDS = ("policy", "capacity_blocks", "block_size", "requests", "accesses", "hits",
@@ -824,13 +824,17 @@ def _with_horizons(cells: list[tuple[str, PolicySpec, dict[str, Any]]],
     return cells[:tail] + rows + cells[tail:]
 
 
+def _head(table: ReplayTable) -> list[str]:
+    """The header and rule of a Markdown table with a column per pool size of ``table``."""
+    return ["| policy | " + " | ".join(f"{c:,} blocks" for c in table.capacities) + " |",
+            "|---|" + "---:|" * len(table.capacities)]
+
+
 def format_table(table: ReplayTable, metric: str = "block_hit_ratio", digits: int = 4) -> str:
     """A Markdown table: one row per policy, one column per pool size."""
     if metric not in METRICS:
         raise ConfigError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
-    header = "| policy | " + " | ".join(f"{c:,} blocks" for c in table.capacities) + " |"
-    rule = "|---|" + "---:|" * len(table.capacities)
-    lines = [header, rule]
+    lines = _head(table)
     for p in table.policies:
         cells = []
         for c in table.capacities:
@@ -942,8 +946,7 @@ def format_comparison(table: ReplayTable, baseline: str = "lru",
     difference with its interval; **bold** where the interval excludes 0, ``n.s.`` (no
     significant difference) where it does not."""
     rows = compare(table, baseline, metric, confidence)
-    header = "| policy | " + " | ".join(f"{c:,} blocks" for c in table.capacities) + " |"
-    lines = [header, "|---|" + "---:|" * len(table.capacities)]
+    lines = _head(table)
     for policy in table.policies:
         if policy == baseline:
             continue

@@ -282,6 +282,13 @@ def _check_sizes(sizes: list[int]) -> None:
         raise ConfigError(f"--sizes gives a size twice: {','.join(map(str, sizes))}")
 
 
+def _check_versus(versus: str | None, rows: list[str], what: str) -> None:
+    """``--versus`` names one of ``rows`` (those of ``what``: this replay, saved results)."""
+    if versus is not None and versus not in rows:
+        raise ConfigError(f"--versus {versus!r} is not a row of {what} (rows: "
+                          f"{', '.join(rows)})")
+
+
 def replay_command(args: argparse.Namespace) -> int:
     if args.sizes is not None:
         _check_sizes(list(args.sizes))
@@ -319,9 +326,7 @@ def replay_command(args: argparse.Namespace) -> int:
         policies = _policies(args)
         rows = list(policies) if policies is not None else default_policies()
         rows += [horizon_label(h) for h in horizons or ()]
-    if versus is not None and versus not in rows:  # before the replay, not after it
-        raise ConfigError(f"--versus {versus!r} is not a row of this replay (rows: "
-                          f"{', '.join(rows)})")
+    _check_versus(versus, rows, "this replay")  # before the replay, not after it
     trace, block_size = open_trace(args.trace, args.format, block_size=args.block_size,
                                    time=args.time)
     if engine in _VLLM_ENGINES:
@@ -373,9 +378,7 @@ def _saved_command(args: argparse.Namespace) -> int:
     table, meta = load_results(args.saved)
     policies = parse_policies(args.policies) if args.policies is not None else None
     table = table.select(policies, args.sizes)
-    if args.versus is not None and args.versus not in table.policies:
-        raise ConfigError(f"--versus {args.versus!r} is not a row of these results (rows: "
-                          f"{', '.join(table.policies)})")
+    _check_versus(args.versus, table.policies, "these results")
     meta.setdefault("trace", str(args.saved))
     _report(args, table, meta, save=False)
     return 0
