@@ -904,6 +904,26 @@ def _shade(color: str, amount: float) -> str:
     return "#" + "".join(f"{round(c + (255 - c) * amount):02x}" for c in rgb)
 
 
+def _family_styles(labels: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """``(colour, marker)`` per label. A label ``"name detail"`` (``"horizon-oracle H=60"``)
+    is drawn in ``name``'s colour (`policy_style`), its ``k``-th detail (in the order of
+    ``labels``) lighter by ``k / (details + 1)`` and, past the first (which keeps ``name``'s
+    own marker), with the ``k``-th of `MARKERS` other than it, so a sweep reads as one
+    family."""
+    families: dict[str, list[str]] = {}
+    for label in labels:
+        families.setdefault(label.split(" ", 1)[0], []).append(label)
+    out = {}
+    for base, members in families.items():
+        style = policy_style(base)
+        others = [mk for mk in MARKERS if mk != style["marker"]]
+        for k, label in enumerate(members):
+            color = _shade(style["color"], k / (len(members) + 1)) if len(members) > 1 \
+                else style["color"]
+            out[label] = (color, style["marker"] if k == 0 else others[(k - 1) % len(others)])
+    return out
+
+
 def replay_figure(rows: Sequence[Mapping[str, Any]], title: str, *,
                   metric: str = "block_hit_ratio") -> Any:
     """The exact replay's ``metric`` (block hit ratio) against pool size, one line per row
@@ -911,11 +931,9 @@ def replay_figure(rows: Sequence[Mapping[str, Any]], title: str, *,
     ``kvevict replay --out``'s ``results.json``): the oracle decomposition in one picture.
 
     Online policies are solid lines with filled markers in their fixed style
-    (`policy_style`); the replay's oracles, exact here, are dashed. A label ``"name
-    detail"`` (``"horizon-oracle H=60"``) is drawn in ``name``'s colour, its ``k``-th
-    detail (in the order of the rows) lighter by ``k / (details + 1)`` and, past the first
-    (which keeps ``name``'s own marker), with the ``k``-th of `MARKERS` other than it, so a
-    sweep reads as one family.
+    (`policy_style`); the replay's oracles, exact here, are dashed. A sweep
+    (``"horizon-oracle H=60"``, ``H=600``, ...) reads as one family: its name's colour,
+    lighter per detail, and a marker per detail (`_family_styles`).
     The infinite cache (`INFINITE_LABEL`) is a grey dotted line at its ratio. Line ``i`` of
     ``m`` is shifted by ``(i - (m - 1) / 2) · SIZE_OFFSET_LOG2`` on the log2 size axis so
     that coinciding lines (the horizon oracle at H = 0 is LRU) stay visible.
@@ -926,20 +944,12 @@ def replay_figure(rows: Sequence[Mapping[str, Any]], title: str, *,
     fig = _figure(9.5, 5.0)
     ax = fig.subplots()
     lines = [p for p in labels if p != INFINITE_LABEL]
-    families: dict[str, list[str]] = {}
-    for p in lines:
-        families.setdefault(p.split(" ", 1)[0], []).append(p)
+    styles = _family_styles(lines)
     m = len(lines)
     sizes = sorted({int(r["capacity_blocks"]) for r in rows})
     for i, p in enumerate(lines):
         base = p.split(" ", 1)[0]
-        style = policy_style(base)
-        members = families[base]
-        k = members.index(p)
-        color = _shade(style["color"], k / (len(members) + 1)) if len(members) > 1 \
-            else style["color"]
-        others = [mk for mk in MARKERS if mk != style["marker"]]
-        marker = style["marker"] if k == 0 else others[(k - 1) % len(others)]
+        color, marker = styles[p]
         pts = sorted((int(r["capacity_blocks"]), float(r[metric])) for r in rows
                      if r["policy"] == p)
         shift = _size_shift(i, m, SIZE_OFFSET_LOG2)
@@ -976,7 +986,8 @@ def comparison_figure(comparisons: Sequence[Any], title: str) -> Any:
     bar: `kvevict.replay.compare`'s output (its ``Comparison`` objects, one baseline and one
     metric). A marker is filled where the interval excludes 0 and hollow where it does not
     (no significant difference); a black line marks 0. Each policy keeps its colour and
-    marker (`policy_style`; an oracle's line is dashed), and policy ``i`` of ``m`` is shifted
+    marker (`policy_style`; an oracle's line is dashed; a sweep such as the horizon oracle's
+    ``H=60``, ``H=600`` is one family, as in `replay_figure`), and policy ``i`` of ``m`` is shifted
     by ``(i - (m - 1) / 2) · BAR_OFFSET_LOG2`` on the log2 size axis so that bars at one size
     stand side by side."""
     comparisons = list(comparisons)
@@ -991,23 +1002,25 @@ def comparison_figure(comparisons: Sequence[Any], title: str) -> Any:
     fig = _figure(9.5, 5.0)
     ax = fig.subplots()
     policies = list(dict.fromkeys(c.policy for c in comparisons))
+    styles = _family_styles(policies)
     m = len(policies)
     for i, p in enumerate(policies):
         pts = sorted((c.capacity_blocks, c) for c in comparisons if c.policy == p)
         base = p.split(" ", 1)[0]
-        style = policy_style(base)
-        color = style["color"] if base != INFINITE_LABEL else "#7f7f7f"
+        color, marker = styles[p]
+        if base == INFINITE_LABEL:
+            color = "#7f7f7f"
         shift = _size_shift(i, m, BAR_OFFSET_LOG2)
         xs = [size * shift for size, _ in pts]
         ys = [c.difference.mean for _, c in pts]
         ax.errorbar(xs, ys, yerr=[c.difference.half for _, c in pts], color=color,
-                    marker=style["marker"], markersize=7, markerfacecolor="white",
+                    marker=marker, markersize=7, markerfacecolor="white",
                     linestyle="--" if is_offline(base) else "-", linewidth=1.1, capsize=3,
                     label=p, zorder=3 + i)
         beyond = [(x, y) for x, y, (_, c) in zip(xs, ys, pts) if c.significant]
         if beyond:
             ax.plot([x for x, _ in beyond], [y for _, y in beyond], color=color,
-                    marker=style["marker"], markersize=7, linestyle="none", zorder=3 + m + i)
+                    marker=marker, markersize=7, linestyle="none", zorder=3 + m + i)
     ax.axhline(0.0, color="black", linewidth=0.9, zorder=2)
     _size_axis(ax, sorted({c.capacity_blocks for c in comparisons}))
     spread = _size_spread(m, BAR_OFFSET_LOG2)

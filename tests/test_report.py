@@ -476,6 +476,33 @@ def test_comparison_figure_bars_fill_only_what_is_beyond_the_interval():
     assert [ln.get_ydata()[0] for ln in lines if ln.get_color() == "black"] == [0.0]
 
 
+def test_comparison_figure_draws_a_sweep_as_one_family_as_the_replay_figure_does():
+    pytest.importorskip("matplotlib")
+    from kvevict.replay import Comparison
+
+    names = ["learned", "horizon-oracle H=30", "horizon-oracle H=300"]
+    comparisons = [Comparison(p, "lru", size, "block_hit_ratio", 0.2, 0.1,
+                              Interval(0.1, 0.01, 15)) for p in names for size in (1000, 4000)]
+    ax = report.comparison_figure(comparisons, "t").axes[0]
+    bars = {b.get_label(): b.lines[0] for b in ax.containers}
+    got = {p: (ln.get_color(), ln.get_marker(), ln.get_linestyle()) for p, ln in bars.items()}
+    # the horizon oracle's sweep: its own style first, then a third of the way to white with
+    # another marker (the colours and markers test_oracles checks in replay_figure)
+    assert got == {"learned": ("#e7298a", "X", "-"),
+                   "horizon-oracle H=30": ("#00a087", "h", "--"),
+                   "horizon-oracle H=300": ("#55c0af", "X", "--")}
+    rows = [{"policy": p, "capacity_blocks": 1000, "block_hit_ratio": 0.1} for p in names]
+    lines = {ln.get_label(): ln for ln in report.replay_figure(rows, "t").axes[0].get_lines()}
+    assert {p: (ln.get_color(), ln.get_marker()) for p, ln in lines.items()} == {
+        p: style[:2] for p, style in got.items()}
+    # the filled markers beyond the interval take the family's style too
+    in_bars = {id(x) for b in ax.containers for x in (b.lines[0], *b.lines[1])}
+    filled = [ln for ln in ax.get_lines() if id(ln) not in in_bars
+              and ln.get_color() != "black"]  # (the line at 0)
+    assert sorted((ln.get_color(), ln.get_marker()) for ln in filled) == sorted(
+        style[:2] for style in got.values())
+
+
 def test_comparison_figure_errors():
     from kvevict.replay import Comparison
 
