@@ -908,15 +908,19 @@ def _family_styles(labels: Sequence[str]) -> dict[str, tuple[str, str]]:
     """``(colour, marker)`` per label. A label ``"name detail"`` (``"horizon-oracle H=60"``)
     is drawn in ``name``'s colour (`policy_style`), its ``k``-th detail (in the order of
     ``labels``) lighter by ``k / (details + 1)`` and, past the first (which keeps ``name``'s
-    own marker), with the ``k``-th of `MARKERS` other than it, so a sweep reads as one
-    family."""
+    own marker), with the ``k``-th marker no name in ``labels`` has (`MARKERS` first, then
+    the fixed styles' markers), so a sweep reads as one family and no detail takes another
+    line's marker."""
     families: dict[str, list[str]] = {}
     for label in labels:
         families.setdefault(label.split(" ", 1)[0], []).append(label)
+    used = {policy_style(base)["marker"] for base in families}
+    free = [mk for mk in dict.fromkeys(MARKERS + tuple(m for _, m in POLICY_STYLES.values()))
+            if mk not in used]
     out = {}
     for base, members in families.items():
         style = policy_style(base)
-        others = [mk for mk in MARKERS if mk != style["marker"]]
+        others = free or [mk for mk in MARKERS if mk != style["marker"]]
         for k, label in enumerate(members):
             color = _shade(style["color"], k / (len(members) + 1)) if len(members) > 1 \
                 else style["color"]

@@ -487,10 +487,10 @@ def test_comparison_figure_draws_a_sweep_as_one_family_as_the_replay_figure_does
     bars = {b.get_label(): b.lines[0] for b in ax.containers}
     got = {p: (ln.get_color(), ln.get_marker(), ln.get_linestyle()) for p, ln in bars.items()}
     # the horizon oracle's sweep: its own style first, then a third of the way to white with
-    # another marker (the colours and markers test_oracles checks in replay_figure)
+    # the first of MARKERS no line here has (learned has "X", the oracle "h")
     assert got == {"learned": ("#e7298a", "X", "-"),
                    "horizon-oracle H=30": ("#00a087", "h", "--"),
-                   "horizon-oracle H=300": ("#55c0af", "X", "--")}
+                   "horizon-oracle H=300": ("#55c0af", "<", "--")}
     rows = [{"policy": p, "capacity_blocks": 1000, "block_hit_ratio": 0.1} for p in names]
     lines = {ln.get_label(): ln for ln in report.replay_figure(rows, "t").axes[0].get_lines()}
     assert {p: (ln.get_color(), ln.get_marker()) for p, ln in lines.items()} == {
