@@ -111,7 +111,7 @@ __all__ = ["BATCH_FIELDS", "INFINITE", "MAX_LAG1", "METRICS", "MIN_BATCHES", "OR
            "Batches", "Comparison", "ReplayRecord", "ReplayResult", "ReplayTable", "compare",
            "default_policies", "format_comparison", "format_table", "format_tier_table",
            "horizon_label", "lag1", "lag1_factor", "load_results", "main", "open_trace", "replay",
-           "replay_table"]
+           "replay_table", "row_labels"]
 
 #: ``progress(phase, requests done)`` is called every this many requests (and at the end).
 PROGRESS_EVERY = 1000
@@ -796,6 +796,19 @@ def replay_table(requests: Iterable[Request],
     results = _run(requests, cells, sizes, block_size, time, extra_key, 0, records, progress,
                    workdir, costs, tiers)
     return ReplayTable([lbl for lbl, _, _ in cells], sizes, results)
+
+
+def row_labels(policies: Sequence[str] | None = None,
+               horizons: Iterable[float] | None = None) -> list[str]:
+    """The rows a `replay_table` of these ``policies`` (names; None: `default_policies`) and
+    ``horizons`` has, in order, without replaying: the horizon oracle's row replaced by one
+    row per horizon as `replay_table` places them (a caller checks a row name before the
+    replay runs). A bad horizon is the `ConfigError` `replay_table` would raise."""
+    names = default_policies() if policies is None else list(policies)
+    cells: list[tuple[str, PolicySpec, dict[str, Any]]] = [(p, p, {}) for p in names]
+    if horizons is not None:
+        cells = _with_horizons(cells, horizons)
+    return [lbl for lbl, _, _ in cells]
 
 
 def _with_horizons(cells: list[tuple[str, PolicySpec, dict[str, Any]]],

@@ -316,6 +316,18 @@ def test_replay_errors_name_the_flag(capsys, argv, expected):
     assert message.startswith(expected), message
 
 
+def test_replay_versus_a_row_that_horizons_replaced_fails_before_the_replay(capsys):
+    """--horizons replaces the horizon oracle's row (`row_labels`): --versus naming it is an
+    error before anything is replayed, not after the table is printed."""
+    rc = main(["replay", "--quiet", "--policies", "lru,horizon-oracle", "--horizons", "30",
+               "--sizes", "300", "--versus", "horizon-oracle"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert captured.err.strip().splitlines()[-1] == (
+        "kvevict: error: --versus 'horizon-oracle' is not a row of this replay (rows: lru, "
+        "horizon-oracle H=30)")
+
+
 @pytest.mark.parametrize(("argv", "expected"), [
     (["--sizes", "x"], "kvevict replay: error: argument --sizes: expected comma-separated "
                        "integers, got 'x'"),

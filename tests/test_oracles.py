@@ -18,7 +18,14 @@ from kvevict.policies.oracles import (
     ReuseOracle,
 )
 from kvevict.policies.registry import build_policy, is_offline
-from kvevict.replay import INFINITE, default_policies, format_table, replay, replay_table
+from kvevict.replay import (
+    INFINITE,
+    default_policies,
+    format_table,
+    replay,
+    replay_table,
+    row_labels,
+)
 from kvevict.sim import simulate
 from kvevict.testing import machine_for
 from kvevict.workloads import bundled_trace_path, read_mooncake
@@ -366,6 +373,14 @@ def test_horizons_replace_the_default_row_or_follow_the_list():
     assert table.policies == ["lru", "horizon-oracle H=1", "horizon-oracle H=2.5", INFINITE]
     table = replay_table(reqs, ["lru", INFINITE], [3], BS, horizons=[2])
     assert table.policies == ["lru", "horizon-oracle H=2", INFINITE]
+    # row_labels names the rows without replaying, as replay_table places them
+    for names, horizons in ((["lru", "horizon-oracle", INFINITE], [1, 2.5]),
+                            (["lru", INFINITE], [2]), (["lru", "horizon-oracle"], None)):
+        assert row_labels(names, horizons) == replay_table(reqs, names, [3], BS,
+                                                           horizons=horizons).policies
+    assert row_labels() == default_policies()
+    with pytest.raises(ConfigError, match="horizons lists horizon-oracle H=1 twice"):
+        row_labels(["lru"], [1, 1.0])
     assert replay(reqs, INFINITE, 3, BS).hits == 2 + 1 + 1  # every repeated block hits
     with pytest.raises(ConfigError, match="horizons lists horizon-oracle H=1 twice"):
         replay_table(reqs, ["lru"], [3], BS, horizons=[1, 1.0])

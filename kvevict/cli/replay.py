@@ -59,10 +59,10 @@ from kvevict.replay import (
     format_comparison,
     format_table,
     format_tier_table,
-    horizon_label,
     load_results,
     open_trace,
     replay_table,
+    row_labels,
 )
 
 __all__ = ["DEFAULT_SIZES", "ENGINES", "add_parser", "replay_command"]
@@ -324,8 +324,7 @@ def replay_command(args: argparse.Namespace) -> int:
         rows = list(policies)
     else:
         policies = _policies(args)
-        rows = list(policies) if policies is not None else default_policies()
-        rows += [horizon_label(h) for h in horizons or ()]
+        rows = row_labels(policies, horizons)
     _check_versus(versus, rows, "this replay")  # before the replay, not after it
     trace, block_size = open_trace(args.trace, args.format, block_size=args.block_size,
                                    time=args.time)
