@@ -230,20 +230,21 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
                            session_id=None if session is None else str(session))
         full = len(vreq.block_hashes)
         found = drive_request(manager, vreq)
+        got = found or 0  # tokens hit (none for a rejected request)
+        got_blocks = got // block_size
         accesses += full
         queries += vreq.num_tokens
         if found is None:
             rejected += 1
         else:
-            token_hits += found
-            hits += found // block_size
-            cached += full - found // block_size
-        full_s, saved_s = prefill.add(vreq.num_tokens, found or 0)
-        batches.add((full, (found or 0) // block_size, vreq.num_tokens, found or 0, full_s,
-                     saved_s))
+            token_hits += got
+            hits += got_blocks
+            cached += full - got_blocks
+        full_s, saved_s = prefill.add(vreq.num_tokens, got)
+        batches.add((full, got_blocks, vreq.num_tokens, got, full_s, saved_s))
         if kept is not None:
-            kept.append(ReplayRecord(i, req_id, full, (found or 0) // block_size,
-                                     vreq.num_tokens, found or 0, found is None))
+            kept.append(ReplayRecord(i, req_id, full, got_blocks, vreq.num_tokens, got,
+                                     found is None))
         if check_every and tier is not None and (i + 1) % check_every == 0:
             tier.check()
     seconds = _time.perf_counter() - start
