@@ -914,12 +914,13 @@ def _family_styles(labels: Sequence[str]) -> dict[str, tuple[str, str]]:
     families: dict[str, list[str]] = {}
     for label in labels:
         families.setdefault(label.split(" ", 1)[0], []).append(label)
-    used = {policy_style(base)["marker"] for base in families}
+    styles = {base: policy_style(base) for base in families}
+    used = {style["marker"] for style in styles.values()}
     free = [mk for mk in dict.fromkeys(MARKERS + tuple(m for _, m in POLICY_STYLES.values()))
             if mk not in used]
     out = {}
     for base, members in families.items():
-        style = policy_style(base)
+        style = styles[base]
         others = free or [mk for mk in MARKERS if mk != style["marker"]]
         for k, label in enumerate(members):
             color = _shade(style["color"], k / (len(members) + 1)) if len(members) > 1 \
