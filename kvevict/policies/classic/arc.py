@@ -45,24 +45,16 @@ from collections import OrderedDict
 from typing import Any
 
 from kvevict.policies.base import register_policy
-from kvevict.policies.classic.base import ClassicPolicy, KeyedHeap
+from kvevict.policies.classic.base import ListEntry, TwoListPolicy
 from kvevict.types import BlockInfo
 
 __all__ = ["ARC"]
 
-_T1, _T2 = 1, 2
-
-
-class _Entry:
-    __slots__ = ("block", "list")
-
-    def __init__(self, block: BlockInfo, which: int) -> None:
-        self.block = block
-        self.list = which
+_T1, _T2 = 0, 1
 
 
 @register_policy("arc")
-class ARC(ClassicPolicy):
+class ARC(TwoListPolicy[ListEntry]):
     """ARC (FAST'03) over the candidates of a prefix cache; see the module docstring.
 
     Args:
@@ -74,11 +66,6 @@ class ARC(ClassicPolicy):
         super().__init__(capacity)
         #: the adaptive target size of T1, in blocks (0 to c)
         self.p = 0.0
-        self._entries: dict[int, _Entry] = {}
-        self._t1 = KeyedHeap()  # T1's candidates by access tick
-        self._t2 = KeyedHeap()
-        self._n1 = 0  # |T1|, every resident block of T1
-        self._n2 = 0
         self._b1: OrderedDict[Any, None] = OrderedDict()  # ghost hashes, LRU first
         self._b2: OrderedDict[Any, None] = OrderedDict()
 
@@ -87,12 +74,12 @@ class ARC(ClassicPolicy):
     @property
     def sizes(self) -> tuple[int, int, int, int]:
         """``(|T1|, |T2|, |B1|, |B2|)``."""
-        return self._n1, self._n2, len(self._b1), len(self._b2)
+        return self._sizes[_T1], self._sizes[_T2], len(self._b1), len(self._b2)
 
     def list_of(self, block_id: int) -> str | None:
         """``"T1"`` or ``"T2"`` for a resident block, None for one the policy does not hold."""
         entry = self._entries.get(block_id)
-        return None if entry is None else f"T{entry.list}"
+        return None if entry is None else ("T1", "T2")[entry.list]
 
     def ghost_of(self, block_hash: Any) -> str | None:
         """``"B1"`` or ``"B2"`` if ``block_hash`` is a ghost, else None."""
@@ -102,113 +89,44 @@ class ARC(ClassicPolicy):
 
     # -- events ----------------------------------------------------------------------------
 
-    def _admit(self, block: BlockInfo, now: float = 0.0) -> _Entry:
-        """Insert ``block`` (Cases II to IV); also ``on_insert``."""
-        old = self._entries.get(block.block_id)
-        if old is not None:  # the id was reused without an on_evict: forget the old block
-            self._drop(old)
-        resident = self._resident = self._resident + 1
-        if resident > self._peak:
-            self._peak = resident
+    def _new_entry(self, block: BlockInfo) -> ListEntry:
+        """Cases II to IV: the list a new block enters, adapting ``p`` on a ghost."""
         c = self.capacity or self._peak
         h = block.block_hash
         b1, b2 = self._b1, self._b2
         if h in b1:  # Case II: T1 was too small
             self.p = min(float(c), self.p + max(len(b2) / len(b1), 1.0))
             del b1[h]
-            which = _T2
-        elif h in b2:  # Case III: T2 was too small
+            return ListEntry(block, _T2)
+        if h in b2:  # Case III: T2 was too small
             self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
             del b2[h]
-            which = _T2
-        else:  # Case IV: keep |L1| <= c and |L1| + |L2| <= 2c once the block is in T1
-            n1 = self._n1
-            if n1 + len(b1) >= c:
-                while b1 and n1 + len(b1) >= c:
-                    b1.popitem(last=False)
-            else:
-                while b2 and n1 + self._n2 + len(b1) + len(b2) >= 2 * c:
-                    b2.popitem(last=False)
-            which = _T1
-        if which == _T1:
-            self._n1 += 1
+            return ListEntry(block, _T2)
+        # Case IV: keep |L1| <= c and |L1| + |L2| <= 2c once the block is in T1
+        n1, n2 = self._sizes
+        if n1 + len(b1) >= c:
+            while b1 and n1 + len(b1) >= c:
+                b1.popitem(last=False)
         else:
-            self._n2 += 1
-        entry = self._entries[block.block_id] = _Entry(block, which)
-        return entry
-
-    on_insert = _admit  # type: ignore[assignment]
+            while b2 and n1 + n2 + len(b1) + len(b2) >= 2 * c:
+                b2.popitem(last=False)
+        return ListEntry(block, _T1)
 
     def on_hit(self, block: BlockInfo, now: float) -> None:
-        entry = self._entries.get(block.block_id)
-        if entry is None or entry.block is not block:
-            entry = self._admit(block)
+        entry = self._entry(block)
         if entry.list == _T1:  # Case I: seen twice
-            entry.list = _T2
-            self._n1 -= 1
-            self._n2 += 1
+            self._move(entry, _T2)
 
-    def on_candidate(self, block: BlockInfo, now: float) -> None:
-        entry = self._entries.get(block.block_id)
-        if entry is None or entry.block is not block:
-            entry = self._admit(block)
-        index = self._t1 if entry.list == _T1 else self._t2
-        index.add(block.block_id, block.last_access_tick)
+    def _key(self, entry: ListEntry) -> int:
+        return entry.block.last_access_tick  # LRU within each list
 
-    def on_uncandidate(self, block: BlockInfo, now: float) -> None:
-        entry = self._entries.get(block.block_id)
-        if entry is not None and entry.block is block:
-            (self._t1 if entry.list == _T1 else self._t2).discard(block.block_id)
-
-    def on_evict(self, block: BlockInfo, now: float) -> None:
-        entry = self._entries.get(block.block_id)
-        if entry is not None and entry.block is block:
-            self._evicted(entry)
-
-    def _drop(self, entry: _Entry) -> None:
-        block_id = entry.block.block_id
-        del self._entries[block_id]
-        if entry.list == _T1:
-            self._t1.discard(block_id)
-            self._n1 -= 1
-        else:
-            self._t2.discard(block_id)
-            self._n2 -= 1
-        self._resident -= 1
-
-    def _evicted(self, entry: _Entry) -> None:
-        self._drop(entry)
-        ghost = self._b1 if entry.list == _T1 else self._b2
-        ghost[entry.block.block_hash] = None
+    def _left(self, entry: ListEntry) -> None:
+        (self._b1 if entry.list == _T1 else self._b2)[entry.block.block_hash] = None
 
     # -- REPLACE ---------------------------------------------------------------------------
 
-    def victim(self, now: float) -> int | None:
-        if self._n1 > self.p:  # REPLACE: T1 is above its target
-            chosen = self._t1.peek()
-            return chosen if chosen is not None else self._t2.peek()
-        chosen = self._t2.peek()
-        return chosen if chosen is not None else self._t1.peek()
-
-    def pop_victim(self, now: float) -> int | None:
-        first, second = (self._t1, self._t2) if self._n1 > self.p else (self._t2, self._t1)
-        chosen = first.pop()
-        if chosen is None:
-            chosen = second.pop()
-            if chosen is None:
-                return None
-        entry = self._entries.pop(chosen)  # _evicted, inlined: once per eviction
-        self._resident -= 1
-        if entry.list == _T1:
-            self._n1 -= 1
-            self._b1[entry.block.block_hash] = None
-        else:
-            self._n2 -= 1
-            self._b2[entry.block.block_hash] = None
-        return chosen
-
-    def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+    def _first(self) -> int:
+        return _T1 if self._sizes[_T1] > self.p else _T2  # REPLACE: T1 above its target
 
     def __repr__(self) -> str:
         return f"ARC(capacity={self.capacity})"

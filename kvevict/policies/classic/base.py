@@ -16,18 +16,29 @@ largest number of blocks cached so far, the cache the policy has actually seen).
 number for a FIFO, the manager's access tick for an LRU list): ``add`` and ``discard`` are
 O(log n) and O(1), ``peek`` and ``pop`` amortized O(log n) (stale entries are dropped when they
 surface, and the heap is rebuilt when they outnumber the live ones).
+
+**Two lists.** ARC, SLRU and 2Q keep every resident block in one of two lists (ARC's ``T1``
+and ``T2``, SLRU's probationary and protected segments, 2Q's ``A1in`` and ``Am``) and evict
+the first candidate of the list their rule names, or of the other list when that one has no
+candidate. `TwoListPolicy` is that bookkeeping, once: the entries, a `KeyedHeap` of each list's
+candidates, each list's resident count; a subclass says which list a new block enters
+(``_new_entry``), a candidate's key in its list (``_key``), which list to evict from
+(``_first``) and what a block that leaves the cache leaves behind (``_left``: a ghost).
 """
 
 from __future__ import annotations
 
+import abc
 import heapq
 import math
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from kvevict.errors import ConfigError
 from kvevict.policies.base import Policy
+from kvevict.types import BlockInfo
 
-__all__ = ["ClassicPolicy", "KeyedHeap", "check_capacity", "check_ratio"]
+__all__ = ["ClassicPolicy", "KeyedHeap", "ListEntry", "TwoListPolicy", "check_capacity",
+           "check_ratio"]
 
 
 def check_ratio(name: str, value: Any, *, low: float = 0.0, high: float = 1.0,
@@ -133,3 +144,136 @@ class ClassicPolicy(Policy):
     def resident(self) -> int:
         """Blocks the policy holds now (inserted and not yet evicted)."""
         return self._resident
+
+
+class ListEntry:
+    """A resident block of a `TwoListPolicy` and its list (0 or 1)."""
+
+    __slots__ = ("block", "list")
+
+    def __init__(self, block: BlockInfo, which: int) -> None:
+        self.block = block
+        self.list = which
+
+
+E = TypeVar("E", bound=ListEntry)
+
+
+class TwoListPolicy(ClassicPolicy, Generic[E]):
+    """A classic policy over two lists of resident blocks (see the module docstring).
+
+    The victim is the first candidate of list ``_first()``, or of the other list when that one
+    has none. Subclasses move an entry between lists themselves (on a hit, a demotion),
+    keeping ``self._sizes`` and the candidate heaps ``self._lists`` current.
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        super().__init__(capacity)
+        self._entries: dict[int, E] = {}
+        #: each list's candidates, by the subclass's `_key`
+        self._lists = (KeyedHeap(), KeyedHeap())
+        #: each list's resident blocks, candidates or not
+        self._sizes = [0, 0]
+
+    # -- what a subclass says --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _new_entry(self, block: BlockInfo) -> E:
+        """The entry of ``block``, inserted now, in the list it enters (the cache size
+        counts it already; the lists' sizes do not yet)."""
+
+    @abc.abstractmethod
+    def _key(self, entry: E) -> Any:
+        """A candidate's key in its list: the smallest goes first."""
+
+    @abc.abstractmethod
+    def _first(self) -> int:
+        """The list to evict from (the other one when it has no candidate)."""
+
+    def _left(self, entry: E) -> None:
+        """``entry``'s block was evicted (it has been dropped): remember what the policy
+        remembers of it. Nothing by default."""
+
+    # -- events ----------------------------------------------------------------------------
+
+    def _admit(self, block: BlockInfo, now: float = 0.0) -> E:
+        """Insert ``block`` into the list `_new_entry` names; also ``on_insert``."""
+        old = self._entries.get(block.block_id)
+        if old is not None:  # the id was reused without an on_evict: forget the old block
+            self._drop(old)
+        resident = self._resident = self._resident + 1
+        if resident > self._peak:
+            self._peak = resident
+        entry = self._entries[block.block_id] = self._new_entry(block)
+        self._sizes[entry.list] += 1
+        return entry
+
+    on_insert = _admit  # type: ignore[assignment]
+
+    def _entry(self, block: BlockInfo) -> E:
+        """``block``'s entry, admitted first if the policy does not hold it."""
+        entry = self._entries.get(block.block_id)
+        if entry is None or entry.block is not block:
+            entry = self._admit(block)
+        return entry
+
+    def on_candidate(self, block: BlockInfo, now: float) -> None:
+        entry = self._entries.get(block.block_id)  # _entry, inlined: once per candidate
+        if entry is None or entry.block is not block:
+            entry = self._admit(block)
+        self._lists[entry.list].add(block.block_id, self._key(entry))
+
+    def on_uncandidate(self, block: BlockInfo, now: float) -> None:
+        entry = self._entries.get(block.block_id)
+        if entry is not None and entry.block is block:
+            self._lists[entry.list].discard(block.block_id)
+
+    def on_evict(self, block: BlockInfo, now: float) -> None:
+        entry = self._entries.get(block.block_id)
+        if entry is not None and entry.block is block:
+            self._drop(entry)
+            self._left(entry)
+
+    def _drop(self, entry: E) -> None:
+        """Forget a resident block (nothing remembered)."""
+        block_id = entry.block.block_id
+        del self._entries[block_id]
+        self._lists[entry.list].discard(block_id)
+        self._sizes[entry.list] -= 1
+        self._resident -= 1
+
+    def _move(self, entry: E, which: int) -> None:
+        """Move ``entry`` to list ``which``; a candidate is indexed there by its `_key`."""
+        old = entry.list
+        sizes = self._sizes
+        sizes[old] -= 1
+        sizes[which] += 1
+        entry.list = which
+        block_id = entry.block.block_id
+        if self._lists[old].discard(block_id):
+            self._lists[which].add(block_id, self._key(entry))
+
+    # -- the victim ------------------------------------------------------------------------
+
+    def victim(self, now: float) -> int | None:
+        first = self._first()
+        lists = self._lists
+        chosen = lists[first].peek()
+        return chosen if chosen is not None else lists[1 - first].peek()
+
+    def pop_victim(self, now: float) -> int | None:
+        first = self._first()
+        lists = self._lists
+        chosen = lists[first].pop()
+        if chosen is None:
+            chosen = lists[1 - first].pop()
+            if chosen is None:
+                return None
+        entry = self._entries.pop(chosen)  # _drop, inlined: the heap popped it already
+        self._sizes[entry.list] -= 1
+        self._resident -= 1
+        self._left(entry)
+        return chosen
+
+    def __len__(self) -> int:
+        return len(self._lists[0]) + len(self._lists[1])

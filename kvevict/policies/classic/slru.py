@@ -54,7 +54,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvevict.policies.base import register_policy
-from kvevict.policies.classic.base import ClassicPolicy, KeyedHeap, check_ratio
+from kvevict.policies.classic.base import ListEntry, TwoListPolicy, check_ratio
 from kvevict.types import BlockInfo
 
 __all__ = ["SLRU", "TwoQ"]
@@ -63,17 +63,17 @@ _PROBATION, _PROTECTED = 0, 1
 _NEVER = (-1, 0)
 
 
-class _SLRUEntry:
-    __slots__ = ("block", "demoted", "segment")
+class _SLRUEntry(ListEntry):
+    __slots__ = ("demoted",)
 
-    def __init__(self, block: BlockInfo) -> None:
+    def __init__(self, block: BlockInfo) -> None:  # no super call: once per insert
         self.block = block
-        self.segment = _PROBATION
+        self.list = _PROBATION
         self.demoted: tuple[int, int] = _NEVER  # recency key given by the last demotion
 
 
 @register_policy("slru")
-class SLRU(ClassicPolicy):
+class SLRU(TwoListPolicy[_SLRUEntry]):
     """Segmented LRU (Karedla et al. 1994) over the candidates of a prefix cache; see the
     module docstring.
 
@@ -85,64 +85,50 @@ class SLRU(ClassicPolicy):
     def __init__(self, protected_ratio: float = 0.8, capacity: int | None = None) -> None:
         super().__init__(capacity)
         self.protected_ratio = check_ratio("protected_ratio", protected_ratio)
-        self._entries: dict[int, _SLRUEntry] = {}
-        self._probation = KeyedHeap()  # candidates by recency key (tick, order of demotion)
-        self._protected = KeyedHeap()
         self._members: list[tuple[int, int]] = []  # protected blocks by tick (lazy)
-        self._num_protected = 0
         self._last_tick = -1  # the newest access tick seen
         self._demotions = 0
 
     @property
     def protected_size(self) -> int:
         """Resident blocks in the protected segment."""
-        return self._num_protected
+        return self._sizes[_PROTECTED]
 
     @property
     def probation_size(self) -> int:
         """Resident blocks in the probationary segment."""
-        return self._resident - self._num_protected
+        return self._sizes[_PROBATION]
 
     def segment_of(self, block_id: int) -> str | None:
         """``"probation"`` or ``"protected"`` for a resident block, else None."""
         entry = self._entries.get(block_id)
         if entry is None:
             return None
-        return "protected" if entry.segment == _PROTECTED else "probation"
+        return "protected" if entry.list == _PROTECTED else "probation"
 
-    @staticmethod
-    def _key(entry: _SLRUEntry) -> tuple[int, int]:
+    def _key(self, entry: _SLRUEntry) -> tuple[int, int]:
         """Recency: the later of the block's last access and its last demotion."""
         access = (entry.block.last_access_tick, 0)
         return access if access > entry.demoted else entry.demoted
 
-    def _admit(self, block: BlockInfo, now: float = 0.0) -> _SLRUEntry:
-        """Insert ``block`` into the probationary segment; also ``on_insert``."""
-        old = self._entries.get(block.block_id)
-        if old is not None:  # the id was reused without an on_evict: forget the old block
-            self._drop(old)
-        entry = self._entries[block.block_id] = _SLRUEntry(block)
-        resident = self._resident = self._resident + 1
-        if resident > self._peak:
-            self._peak = resident
-        return entry
+    def _new_entry(self, block: BlockInfo) -> _SLRUEntry:
+        return _SLRUEntry(block)  # the probationary segment
 
-    on_insert = _admit  # type: ignore[assignment]
+    def _first(self) -> int:
+        return _PROBATION
 
     def on_hit(self, block: BlockInfo, now: float) -> None:
-        entry = self._entries.get(block.block_id)
-        if entry is None or entry.block is not block:
-            entry = self._admit(block)
+        entry = self._entry(block)
         tick = block.last_access_tick
         if tick > self._last_tick:
             self._last_tick = tick
         entry.demoted = _NEVER
-        if entry.segment == _PROBATION:
-            entry.segment = _PROTECTED
-            self._num_protected += 1
+        if entry.list == _PROBATION:
+            self._move(entry, _PROTECTED)
             heapq.heappush(self._members, (tick, block.block_id))
             limit = self.protected_ratio * (self.capacity or self._peak)
-            while self._num_protected > limit and self._demote():
+            sizes = self._sizes
+            while sizes[_PROTECTED] > limit and self._demote():
                 pass
 
     def _demote(self) -> bool:
@@ -151,7 +137,7 @@ class SLRU(ClassicPolicy):
         while members:
             tick, block_id = members[0]
             entry = entries.get(block_id)
-            if entry is None or entry.segment != _PROTECTED:
+            if entry is None or entry.list != _PROTECTED:
                 heapq.heappop(members)
                 continue
             current = entry.block.last_access_tick
@@ -159,62 +145,11 @@ class SLRU(ClassicPolicy):
                 heapq.heapreplace(members, (current, block_id))
                 continue
             heapq.heappop(members)
-            entry.segment = _PROBATION
-            self._num_protected -= 1
             self._demotions += 1
             entry.demoted = (self._last_tick, self._demotions)
-            if self._protected.discard(block_id):
-                self._probation.add(block_id, self._key(entry))
+            self._move(entry, _PROBATION)
             return True
         return False
-
-    def on_candidate(self, block: BlockInfo, now: float) -> None:
-        entry = self._entries.get(block.block_id)
-        if entry is None or entry.block is not block:
-            entry = self._admit(block)
-        index = self._protected if entry.segment == _PROTECTED else self._probation
-        access = (block.last_access_tick, 0)
-        demoted = entry.demoted
-        index.add(block.block_id, access if access > demoted else demoted)
-
-    def on_uncandidate(self, block: BlockInfo, now: float) -> None:
-        entry = self._entries.get(block.block_id)
-        if entry is not None and entry.block is block:
-            index = self._protected if entry.segment == _PROTECTED else self._probation
-            index.discard(block.block_id)
-
-    def on_evict(self, block: BlockInfo, now: float) -> None:
-        entry = self._entries.get(block.block_id)
-        if entry is not None and entry.block is block:
-            self._drop(entry)
-
-    def _drop(self, entry: _SLRUEntry) -> None:
-        block_id = entry.block.block_id
-        del self._entries[block_id]
-        if entry.segment == _PROTECTED:
-            self._protected.discard(block_id)
-            self._num_protected -= 1
-        else:
-            self._probation.discard(block_id)
-        self._resident -= 1
-
-    def victim(self, now: float) -> int | None:
-        chosen = self._probation.peek()
-        return chosen if chosen is not None else self._protected.peek()
-
-    def pop_victim(self, now: float) -> int | None:
-        chosen = self._probation.pop()
-        if chosen is None:
-            chosen = self._protected.pop()
-            if chosen is None:
-                return None
-        if self._entries.pop(chosen).segment == _PROTECTED:
-            self._num_protected -= 1
-        self._resident -= 1
-        return chosen
-
-    def __len__(self) -> int:
-        return len(self._probation) + len(self._protected)
 
     def __repr__(self) -> str:
         return f"SLRU(protected_ratio={self.protected_ratio}, capacity={self.capacity})"
@@ -223,17 +158,17 @@ class SLRU(ClassicPolicy):
 _A1IN, _AM = 0, 1
 
 
-class _TwoQEntry:
-    __slots__ = ("block", "queue", "seq")
+class _TwoQEntry(ListEntry):
+    __slots__ = ("seq",)
 
     def __init__(self, block: BlockInfo, queue: int, seq: int) -> None:
-        self.block = block
-        self.queue = queue
+        self.block = block  # ListEntry's fields, set here: once per insert
+        self.list = queue
         self.seq = seq
 
 
 @register_policy("2q")
-class TwoQ(ClassicPolicy):
+class TwoQ(TwoListPolicy[_TwoQEntry]):
     """2Q, the full version (Johnson and Shasha, VLDB'94), over the candidates of a prefix
     cache; see the module docstring.
 
@@ -248,119 +183,54 @@ class TwoQ(ClassicPolicy):
         super().__init__(capacity)
         self.in_ratio = check_ratio("in_ratio", in_ratio)
         self.out_ratio = check_ratio("out_ratio", out_ratio, high=10.0, closed_high=True)
-        self._entries: dict[int, _TwoQEntry] = {}
-        self._a1in = KeyedHeap()  # A1in's candidates by insertion number
-        self._am = KeyedHeap()  # Am's candidates by access tick
-        self._num_in = 0  # |A1in|, every resident block of A1in
         self._seq = 0
         self._a1out: OrderedDict[Any, None] = OrderedDict()  # ghost hashes, oldest first
 
     @property
     def sizes(self) -> tuple[int, int, int]:
         """``(|A1in|, |Am|, |A1out|)``."""
-        return self._num_in, self._resident - self._num_in, len(self._a1out)
+        return self._sizes[_A1IN], self._sizes[_AM], len(self._a1out)
 
     def queue_of(self, block_id: int) -> str | None:
         """``"A1in"`` or ``"Am"`` for a resident block, else None."""
         entry = self._entries.get(block_id)
         if entry is None:
             return None
-        return "A1in" if entry.queue == _A1IN else "Am"
+        return "A1in" if entry.list == _A1IN else "Am"
 
     def in_ghost(self, block_hash: Any) -> bool:
         """Whether ``block_hash`` is in ``A1out``."""
         return block_hash in self._a1out
 
-    def _admit(self, block: BlockInfo, now: float = 0.0) -> _TwoQEntry:
-        """Insert ``block`` (into Am if its hash is in A1out, else A1in); also
-        ``on_insert``."""
-        old = self._entries.get(block.block_id)
-        if old is not None:  # the id was reused without an on_evict: forget the old block
-            self._drop(old)
+    def _new_entry(self, block: BlockInfo) -> _TwoQEntry:
+        """Into Am if the block's hash is in A1out (seen again after leaving A1in), else
+        A1in."""
         self._seq += 1
         a1out = self._a1out
-        if block.block_hash in a1out:  # seen again after leaving A1in: the LRU
+        if block.block_hash in a1out:
             del a1out[block.block_hash]
-            queue = _AM
-        else:
-            queue = _A1IN
-            self._num_in += 1
-        entry = self._entries[block.block_id] = _TwoQEntry(block, queue, self._seq)
-        resident = self._resident = self._resident + 1
-        if resident > self._peak:
-            self._peak = resident
-        return entry
+            return _TwoQEntry(block, _AM, self._seq)
+        return _TwoQEntry(block, _A1IN, self._seq)
 
-    on_insert = _admit  # type: ignore[assignment]
+    def _key(self, entry: _TwoQEntry) -> int:
+        """A1in is a FIFO (insertion number), Am an LRU (access tick)."""
+        if entry.list == _A1IN:
+            return entry.seq
+        return entry.block.last_access_tick
 
-    def on_candidate(self, block: BlockInfo, now: float) -> None:
-        entry = self._entries.get(block.block_id)
-        if entry is None or entry.block is not block:
-            entry = self._admit(block)
-        if entry.queue == _A1IN:
-            self._a1in.add(block.block_id, entry.seq)
-        else:
-            self._am.add(block.block_id, block.last_access_tick)
-
-    def on_uncandidate(self, block: BlockInfo, now: float) -> None:
-        entry = self._entries.get(block.block_id)
-        if entry is not None and entry.block is block:
-            (self._a1in if entry.queue == _A1IN else self._am).discard(block.block_id)
-
-    def on_evict(self, block: BlockInfo, now: float) -> None:
-        entry = self._entries.get(block.block_id)
-        if entry is not None and entry.block is block:
-            self._evicted(entry)
-
-    def _drop(self, entry: _TwoQEntry) -> None:
-        block_id = entry.block.block_id
-        del self._entries[block_id]
-        if entry.queue == _A1IN:
-            self._a1in.discard(block_id)
-            self._num_in -= 1
-        else:
-            self._am.discard(block_id)
-        self._resident -= 1
-
-    def _evicted(self, entry: _TwoQEntry) -> None:
-        self._drop(entry)
-        if entry.queue == _A1IN:
+    def _left(self, entry: _TwoQEntry) -> None:
+        """A block evicted from A1in leaves its hash in A1out (at most Kout, oldest out)."""
+        if entry.list == _A1IN:
             a1out = self._a1out
             a1out[entry.block.block_hash] = None
             limit = self.out_ratio * (self.capacity or self._peak)
             while len(a1out) > limit:
                 a1out.popitem(last=False)
 
-    def victim(self, now: float) -> int | None:
-        if self._num_in > self.in_ratio * (self.capacity or self._peak):
-            chosen = self._a1in.peek()  # A1in above Kin: its oldest candidate
-            return chosen if chosen is not None else self._am.peek()
-        chosen = self._am.peek()
-        return chosen if chosen is not None else self._a1in.peek()
-
-    def pop_victim(self, now: float) -> int | None:
-        if self._num_in > self.in_ratio * (self.capacity or self._peak):
-            first, second = self._a1in, self._am
-        else:
-            first, second = self._am, self._a1in
-        chosen = first.pop()
-        if chosen is None:
-            chosen = second.pop()
-            if chosen is None:
-                return None
-        entry = self._entries.pop(chosen)  # _evicted, inlined: once per eviction
-        self._resident -= 1
-        if entry.queue == _A1IN:
-            self._num_in -= 1
-            a1out = self._a1out
-            a1out[entry.block.block_hash] = None
-            limit = self.out_ratio * (self.capacity or self._peak)
-            while len(a1out) > limit:
-                a1out.popitem(last=False)
-        return chosen
-
-    def __len__(self) -> int:
-        return len(self._a1in) + len(self._am)
+    def _first(self) -> int:
+        # A1in above Kin: its oldest candidate, else Am's least recent
+        return _A1IN if self._sizes[_A1IN] > self.in_ratio * (self.capacity or self._peak) \
+            else _AM
 
     def __repr__(self) -> str:
         return (f"TwoQ(in_ratio={self.in_ratio}, out_ratio={self.out_ratio}, "
