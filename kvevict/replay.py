@@ -822,7 +822,7 @@ def _with_horizons(cells: list[tuple[str, PolicySpec, dict[str, Any]]],
     if not values:
         raise ConfigError("horizons needs at least one value (or None for the default H)")
     labels = [horizon_label(h) for h in values]
-    check_distinct(labels, "horizons")
+    check_distinct(labels, "horizons", "horizon")
     rows = [(lbl, "horizon-oracle", {"horizon": h})
             for lbl, h in zip(labels, values, strict=True)]
     taken = {lbl for lbl, _, _ in cells} & set(labels)

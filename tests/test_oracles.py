@@ -379,10 +379,11 @@ def test_horizons_replace_the_default_row_or_follow_the_list():
         assert row_labels(names, horizons) == replay_table(reqs, names, [3], BS,
                                                            horizons=horizons).policies
     assert row_labels() == default_policies()
-    with pytest.raises(ConfigError, match="horizons lists horizon-oracle H=1 twice"):
+    twice = r"horizons lists horizon-oracle H=1 twice .*; give each horizon once"
+    with pytest.raises(ConfigError, match=twice):
         row_labels(["lru"], [1, 1.0])
     assert replay(reqs, INFINITE, 3, BS).hits == 2 + 1 + 1  # every repeated block hits
-    with pytest.raises(ConfigError, match="horizons lists horizon-oracle H=1 twice"):
+    with pytest.raises(ConfigError, match=twice):
         replay_table(reqs, ["lru"], [3], BS, horizons=[1, 1.0])
     with pytest.raises(ConfigError, match="at least one"):
         replay_table(reqs, ["lru"], [3], BS, horizons=[])

@@ -75,9 +75,10 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
-def check_distinct(names: Sequence[str], what: str = "--policies") -> None:
+def check_distinct(names: Sequence[str], what: str = "--policies", noun: str = "policy"
+                   ) -> None:
     """`ConfigError` naming each name ``names`` lists more than once (``what`` names the
-    list, e.g. the ``--policies`` flag)."""
+    list, e.g. the ``--policies`` flag; ``noun`` what it lists)."""
     names = list(names)
     repeated = sorted({n for n in names if names.count(n) > 1}, key=names.index)
     if repeated:
@@ -85,7 +86,7 @@ def check_distinct(names: Sequence[str], what: str = "--policies") -> None:
         counts = ", ".join(f"{n!s} {times.get(names.count(n), f'{names.count(n)} times')}"
                            for n in repeated)
         raise ConfigError(f"{what} lists {counts} ({','.join(map(str, names))}); give each "
-                          "policy once")
+                          f"{noun} once")
 
 
 def load_policy_modules(modules: Iterable[str], *, flag: str = "--policy-module",
