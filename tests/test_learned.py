@@ -333,6 +333,36 @@ def test_gap_table_is_the_kaplan_meier_estimate_with_open_trials_censored() -> N
     assert not table.trials
 
 
+def test_open_counts_are_the_open_trials_by_age_under_random_operations() -> None:
+    """`open_counts` keeps runs of trials per release; against the trials themselves (no
+    decay: each counts 1), after random opens (some of a hash still open, in the same cell
+    or another), reuses (some before the trial opened: not its reuse) and expiries."""
+    import random
+
+    rng = random.Random(7)
+    table = GapTable(prior_weight=8.0, memory=float("inf"))
+    cells = ["a", "b", "c"]
+    now = 0.0
+    for _ in range(3000):
+        now += rng.expovariate(1.0)
+        op = rng.random()
+        if op < 0.5:
+            table.open_all([(rng.randrange(60), rng.choice(cells))
+                            for _ in range(rng.randrange(1, 6))], now)
+        elif op < 0.9:
+            table.reuse_all([rng.randrange(60) for _ in range(rng.randrange(1, 4))],
+                            now - rng.choice([0.0, 0.0, 5.0]))
+        else:
+            table.expire(now, rng.choice([20.0, 200.0]))
+        if rng.random() < 0.2:
+            for cell in cells:
+                want = [0.0] * NUM_GAP_BINS
+                for t0, c in table.trials.values():
+                    if c == cell:
+                        want[gap_bin(max(now - t0, 0.0))] += 1.0
+                assert table.open_counts(cell, now) == want
+
+
 def test_a_sparse_cell_backs_off_to_the_pooled_gaps() -> None:
     table = GapTable(prior_weight=8.0, memory=float("inf"))
     for i in range(8):

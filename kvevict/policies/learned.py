@@ -223,7 +223,7 @@ class TrialBook(abc.ABC):
                 if trial[0] > now:  # opened after that use: not its reuse
                     trials[block_hash] = trial
                     continue
-                reused(trial[1], now - trial[0], horizon)
+                reused(block_hash, trial[1], now - trial[0], horizon)
 
     def expire(self, now: float, limit: float) -> None:
         """End every trial open longer than ``limit`` seconds at ``now``."""
@@ -236,15 +236,15 @@ class TrialBook(abc.ABC):
                 trial = trials.get(h)
                 if trial is not None and trial[0] == t0:
                     del trials[h]
-                    expired(trial[1], now - t0)
+                    expired(h, trial[1], now - t0)
 
     @abc.abstractmethod
-    def _reused(self, cell: Any, gap: float, horizon: float) -> None:
-        """A trial of ``cell`` ended in a reuse after ``gap`` seconds."""
+    def _reused(self, block_hash: Any, cell: Any, gap: float, horizon: float) -> None:
+        """The trial of ``block_hash`` in ``cell`` ended in a reuse after ``gap`` seconds."""
 
     @abc.abstractmethod
-    def _expired(self, cell: Any, age: float) -> None:
-        """A trial of ``cell`` ended unreused, open ``age`` seconds."""
+    def _expired(self, block_hash: Any, cell: Any, age: float) -> None:
+        """The trial of ``block_hash`` in ``cell`` ended unreused, open ``age`` seconds."""
 
 
 class ReuseTable(TrialBook):
@@ -266,10 +266,10 @@ class ReuseTable(TrialBook):
         """Fail every open trial older than ``horizon`` at ``now``."""
         super().expire(now, horizon)
 
-    def _reused(self, cell: Any, gap: float, horizon: float) -> None:
+    def _reused(self, block_hash: Any, cell: Any, gap: float, horizon: float) -> None:
         self._observe(cell, gap <= horizon)
 
-    def _expired(self, cell: Any, age: float) -> None:
+    def _expired(self, block_hash: Any, cell: Any, age: float) -> None:
         self._observe(cell, False)
 
     def _observe(self, cell: Any, success: bool) -> None:
@@ -333,6 +333,25 @@ def gap_bin(seconds: float) -> int:
     return k if k < _LAST_BIN else _LAST_BIN
 
 
+def _bin_fraction(seconds: float) -> tuple[int, float]:
+    """The bin of ``seconds`` and how far into it they are: in log time (linear in bin 0;
+    0 in the last bin, where ``S`` is flat)."""
+    k = gap_bin(seconds)
+    if k == _LAST_BIN:
+        return k, 0.0
+    if k == 0:
+        return k, seconds / GAP_LO
+    return k, math.log(seconds / GAP_EDGES[k]) * _INV_LOG_RATIO
+
+
+#: Per bin of idle time, the idle time its odds are taken at (the bin's geometric middle;
+#: 0.05 s in bin 0, a day in the last), with `_bin_fraction` of it.
+_IDLE_POINTS: tuple[tuple[float, int, float], ...] = tuple(
+    (t, *_bin_fraction(t)) for t in
+    [0.5 * GAP_LO] + [GAP_EDGES[k] * math.exp(0.5 * GAP_LOG_RATIO)
+                      for k in range(1, NUM_GAP_BINS - 1)] + [GAP_HI])
+
+
 class GapTable(TrialBook):
     """Per feature cell, the decayed empirical distribution of the time to a block's next use,
     censored (see the module docstring, "Gap distributions").
@@ -362,20 +381,38 @@ class GapTable(TrialBook):
         self._pooled: list[Any] = [[0.0] * NUM_GAP_BINS, [0.0] * NUM_GAP_BINS, 1.0]
         #: cell -> observations of it (its own version)
         self.cell_observations: dict[Any, int] = {}
-        #: cell -> (release time, block hash, the cell's observations then) of the trials
-        #: opened in it, oldest first (closed ones are dropped when it is next read)
-        self._open: dict[Any, deque[tuple[float, Any, int]]] = {}
+        #: cell -> the runs of trials opened in it, oldest first: one per release, as
+        #: [release time, the cell's observations then, how many are still open] (a run
+        #: none of whose trials is open is dropped when the cell is next read)
+        self._open: dict[Any, deque[list[Any]]] = {}
+        #: block hash -> the run its open trial counts in
+        self._run_of: dict[Any, list[Any]] = {}
 
     def open_all(self, trials: Sequence[tuple[Any, Any]], now: float) -> None:
-        """Open a trial for each ``(block hash, cell)`` of one release at ``now``, also in
-        its cell's list of open trials (`open_counts`)."""
+        """Open a trial for each ``(block hash, cell)`` of one release at ``now``, counted
+        in its cell's run for this release (`open_counts`)."""
         super().open_all(trials, now)
-        by_cell, seen = self._open, self.cell_observations
+        by_cell, seen, run_of = self._open, self.cell_observations, self._run_of
+        runs: dict[Any, list[Any]] = {}
         for block_hash, cell in trials:
-            q = by_cell.get(cell)
-            if q is None:
-                q = by_cell[cell] = deque()
-            q.append((now, block_hash, seen.get(cell, 0)))
+            old = run_of.get(block_hash)
+            if old is not None:  # a trial opened again replaces the one still open
+                old[2] -= 1
+            run = runs.get(cell)
+            if run is None:
+                run = runs[cell] = [now, seen.get(cell, 0), 0]
+                q = by_cell.get(cell)
+                if q is None:
+                    q = by_cell[cell] = deque()
+                q.append(run)
+            run[2] += 1
+            run_of[block_hash] = run
+
+    def _close(self, block_hash: Any) -> None:
+        """The trial of ``block_hash`` ended: it no longer counts in its run."""
+        run = self._run_of.pop(block_hash, None)
+        if run is not None:
+            run[2] -= 1
 
     def open_counts(self, cell: Any, now: float) -> list[float]:
         """Per bin, ``cell``'s trials still open at ``now``, each in the bin of its age and
@@ -385,15 +422,16 @@ class GapTable(TrialBook):
         q = self._open.get(cell)
         if not q:
             return counts
-        trials, g = self.trials, self.gamma
+        g = self.gamma
         n = self.cell_observations.get(cell, 0)
-        keep: deque[tuple[float, Any, int]] = deque()
-        for entry in q:
-            trial = trials.get(entry[1])
-            if trial is not None and trial[0] == entry[0] and trial[1] == cell:
-                keep.append(entry)
-                counts[gap_bin(max(now - entry[0], 0.0))] += g ** (n - entry[2])
-        self._open[cell] = keep
+        closed = 0
+        for t0, seen, left in q:  # a run's trials share their age and decay
+            if left > 0:
+                counts[gap_bin(max(now - t0, 0.0))] += left * g ** (n - seen)
+            else:
+                closed += 1
+        if closed:
+            self._open[cell] = deque(run for run in q if run[2] > 0)
         return counts
 
     def expire(self, now: float, limit: float = GAP_WINDOW) -> None:
@@ -401,10 +439,12 @@ class GapTable(TrialBook):
         age."""
         super().expire(now, limit)
 
-    def _reused(self, cell: Any, gap: float, horizon: float) -> None:
+    def _reused(self, block_hash: Any, cell: Any, gap: float, horizon: float) -> None:
+        self._close(block_hash)
         self._observe(cell, gap, True)  # an event at the gap, whatever the horizon
 
-    def _expired(self, cell: Any, age: float) -> None:
+    def _expired(self, block_hash: Any, cell: Any, age: float) -> None:
+        self._close(block_hash)
         self._observe(cell, age, False)
 
     def _observe(self, cell: Any, age: float, event: bool) -> None:
@@ -489,27 +529,16 @@ class GapTable(TrialBook):
             start.append(s)
             s *= 1.0 - h
 
-        def surv(x: float) -> float:
-            k = gap_bin(x)
+        def surv(k: int, f: float) -> float:  # S at fraction f of log time into bin k
             if k == _LAST_BIN:
                 return start[k]
-            if k == 0:
-                f = x / GAP_LO
-            else:
-                f = (math.log(x / GAP_EDGES[k])) * _INV_LOG_RATIO
             keep = 1.0 - hz[k]
             return start[k] * (keep ** f if keep > 0 else (1.0 if f <= 0 else 0.0))
 
         out = []
-        for k in range(NUM_GAP_BINS):
-            if k == 0:
-                t = 0.5 * GAP_LO
-            elif k == _LAST_BIN:
-                t = GAP_HI
-            else:
-                t = GAP_EDGES[k] * math.exp(0.5 * GAP_LOG_RATIO)
-            st = surv(t)
-            out.append(1.0 - surv(t + horizon) / st if st > 0 else 0.0)
+        for t, k, f in _IDLE_POINTS:
+            st = surv(k, f)
+            out.append(1.0 - surv(*_bin_fraction(t + horizon)) / st if st > 0 else 0.0)
         return out
 
 
