@@ -163,8 +163,8 @@ class TwoListPolicy(ClassicPolicy, Generic[E]):
     """A classic policy over two lists of resident blocks (see the module docstring).
 
     The victim is the first candidate of list ``_first()``, or of the other list when that one
-    has none. Subclasses move an entry between lists themselves (on a hit, a demotion),
-    keeping ``self._sizes`` and the candidate heaps ``self._lists`` current.
+    has none. A subclass moves an entry between the lists with `_move` (ARC and SLRU on a
+    hit, SLRU on a demotion).
     """
 
     def __init__(self, capacity: int | None = None) -> None:
