@@ -10,6 +10,7 @@ from functools import cache
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from oracle_harness import BS, Harness, req
 
 from kvevict import BlockPool, ConfigError, KVCacheManager, ManualClock, Request, make_policy
 from kvevict.policies.belady import Belady, request_times
@@ -18,37 +19,12 @@ from kvevict.prefix import block_hashes
 from kvevict.replay import replay
 from kvevict.testing import machine_for
 
-BS = 4  # tokens per block in the hand-built cases
-
-
-def _req(i, ids, t=0.0):
-    return Request(i, block_hashes=ids, num_tokens=len(ids) * BS, arrival=t)
-
-
-class _Harness:
-    """A manager on a manual clock that records every eviction (block hashes, in order)."""
-
-    def __init__(self, num_blocks, policy):
-        self.clock = ManualClock()
-        self.manager = KVCacheManager(BlockPool(num_blocks, BS), policy, clock=self.clock)
-        self.evicted = []
-        self.manager.add_eviction_listener(lambda b, now: self.evicted.append(b.block_hash))
-
-    def run(self, t, ids):
-        """Begin and finish one request of block ids at clock time ``t``."""
-        self.clock.set(t)
-        seq = self.manager.begin(_req(f"r{t}", ids))
-        self.manager.finish(seq.seq_id)
-        self.manager.check()
-        return seq.num_cached_tokens // BS
-
-
 # -- exact victims on hand-built futures ----------------------------------------------------
 
 
 def test_evicts_the_furthest_next_use_first():
     future = {10: [0, 6], 20: [1, 5], 30: [2, 7], 40: [3]}
-    h = _Harness(3, Belady(future))
+    h = Harness(3, Belady(future))
     for t, ids in enumerate([[10], [20], [30]]):
         h.run(t, ids)
     h.run(3, [40])  # candidates: 10 (next 6), 20 (next 5), 30 (next 7)
@@ -64,7 +40,7 @@ def test_evicts_the_furthest_next_use_first():
 
 def test_never_used_blocks_go_first_and_tie_by_least_recent_use():
     future = {1: [0, 100], 2: [1], 3: [2], 4: [3]}
-    h = _Harness(4, Belady(future))
+    h = Harness(4, Belady(future))
     for t, ids in enumerate([[1], [2], [3], [4]]):
         h.run(t, ids)
     h.run(4, [5])  # 2, 3, 4 never again: the oldest (2) first; 1 (used at 100) stays
@@ -87,7 +63,7 @@ def test_next_use_is_strictly_after_now():
 
 def test_tail_first_within_a_released_chain():
     """Never-used chains lose their tail first (ties go to the least recent release)."""
-    h = _Harness(3, Belady())
+    h = Harness(3, Belady())
     h.run(0, [1, 2, 3])
     h.run(1, [4, 5])
     assert h.evicted == [3, 2]
@@ -112,7 +88,7 @@ def test_inner_blocks_are_never_offered_even_with_the_furthest_next_use():
     # Block 1 has the furthest next use, but it is not a leaf, so it is never offered.
     future = {1: [], 2: [10], 3: [11], 4: [12], 5: [12]}
     policy = _Recording(future)
-    h = _Harness(3, policy)
+    h = Harness(3, policy)
     h.run(0, [1, 2, 3])
     assert policy.offered == [3]
     h.run(1, [4])  # 3 is the only candidate; then 2 becomes a leaf
@@ -129,7 +105,7 @@ def test_inner_blocks_are_never_offered_even_with_the_furthest_next_use():
 
 
 def test_from_requests_hash_mode_uses_ids_and_indices():
-    reqs = [_req(0, [1, 2], 5.0), _req(1, [1, 3], 5.0), _req(2, [1, 2, 4], 9.0)]
+    reqs = [req(0, [1, 2], 5.0), req(1, [1, 3], 5.0), req(2, [1, 2, 4], 9.0)]
     policy = Belady.from_requests(reqs)
     assert policy._future == {1: [0.0, 1.0, 2.0], 2: [0.0, 2.0], 3: [1.0], 4: [2.0]}
     arrival = Belady.from_requests(reqs, time="arrival")
@@ -157,9 +133,9 @@ def test_from_requests_errors():
     with pytest.raises(ConfigError, match="block_size"):
         Belady.from_requests([Request("a", tokens=[1, 2, 3, 4])])
     with pytest.raises(ConfigError, match="2 values for 1 requests"):
-        Belady.from_requests([_req(0, [1])], time=[0, 1])
+        Belady.from_requests([req(0, [1])], time=[0, 1])
     with pytest.raises(ConfigError, match="time must be one of"):
-        Belady.from_requests([_req(0, [1])], time="wallclock")
+        Belady.from_requests([req(0, [1])], time="wallclock")
     with pytest.raises(ConfigError, match="Requests"):
         Belady.from_requests([[1, 2]])
 
@@ -176,7 +152,7 @@ def test_constructor_validates_the_future():
 
 
 def test_request_times_are_strictly_increasing():
-    reqs = [_req(0, [1], 3.0), _req(1, [2], 3.0), _req(2, [3], 1.0), _req(3, [4], 7.0)]
+    reqs = [req(0, [1], 3.0), req(1, [2], 3.0), req(2, [3], 1.0), req(3, [4], 7.0)]
     times = request_times(reqs, "arrival")
     assert times[0] == 3.0 and times[3] == 7.0
     assert all(a < b for a, b in itertools.pairwise(times))
@@ -322,9 +298,9 @@ def test_file_belady_gives_the_golden_numbers_and_the_same_victims(mooncake):
                 evicted = []
                 manager.add_eviction_listener(lambda b, now, out=evicted: out.append(
                     b.block_hash))
-                for i, req in enumerate(mooncake):
+                for i, request in enumerate(mooncake):
                     manager.clock.set(float(i))
-                    manager.finish(manager.begin(req).seq_id)
+                    manager.finish(manager.begin(request).seq_id)
                 runs[kind] = (manager.stats.block_hits, evicted)
             assert runs["file"] == runs["dict"], size
             assert round(runs["file"][0] / 121_877, 4) == golden
@@ -353,9 +329,9 @@ def test_replay_builds_the_file_oracle_for_belady_by_name_only(mooncake, monkeyp
 def test_requests_that_share_an_id_keep_the_clock_order():
     """A request's begin consumes its accesses by id; with a repeated id the begins cannot be
     told apart, so the future stays compared with the clock (the replay's order)."""
-    unique = Belady.from_requests([_req(0, [1], 0.0), _req(1, [1], 1.0)])
+    unique = Belady.from_requests([req(0, [1], 0.0), req(1, [1], 1.0)])
     assert unique.next_use(1, 5.0) == 0.0  # request 0 has not begun: it is still coming
-    shared = Belady.from_requests([_req(0, [1], 0.0), _req(0, [1], 1.0)])
+    shared = Belady.from_requests([req(0, [1], 0.0), req(0, [1], 1.0)])
     assert [shared.next_use(1, t) for t in (-1.0, 0.0, 1.0)] == [0.0, 1.0, math.inf]
 
 
@@ -371,7 +347,7 @@ def test_a_preempted_requests_blocks_are_kept_for_its_resume(build):
     were consumed at its begin, its blocks looked dead, and the oracle evicted its tail.
     The horizon and reuse oracles share the future (with 9 live too, LRU order among the
     live evicts 9, released first)."""
-    a, x, y = _req("a", [1, 2], 0.0), _req("x", [9], 1.0), _req("y", [9], 5.0)
+    a, x, y = req("a", [1, 2], 0.0), req("x", [9], 1.0), req("y", [9], 5.0)
     oracle = build([a, x, y], time=[0.0, 1.0, 5.0])
     policy = getattr(oracle, "belady", oracle)  # the future the oracle looks up
     clock = ManualClock()
@@ -396,8 +372,8 @@ def test_a_preempted_requests_blocks_are_kept_for_its_resume(build):
 
 def test_a_preempted_request_that_finishes_does_not_come_back():
     """An aborted preempted request: what `on_preempt` put back leaves the future."""
-    a = _req("a", [1, 2], 0.0)
-    policy = Belady.from_requests([a, _req("b", [2], 4.0)], time=[0.0, 4.0])
+    a = req("a", [1, 2], 0.0)
+    policy = Belady.from_requests([a, req("b", [2], 4.0)], time=[0.0, 4.0])
     m = KVCacheManager(BlockPool(3, BS), policy, clock=ManualClock())
     m.begin(a)
     m.preempt("a")

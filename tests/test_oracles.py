@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from oracle_harness import BS, Harness, req
 
 from kvevict import BlockPool, ConfigError, KVCacheManager, ManualClock, Request, make_policy
 from kvevict.policies.belady import Belady, NextUseFile, request_times
@@ -30,7 +31,6 @@ from kvevict.sim import simulate
 from kvevict.testing import machine_for
 from kvevict.workloads import bundled_trace_path, read_mooncake
 
-BS = 4  # tokens per block in the hand-built cases
 SIZES = (1000, 2000, 5000, 10000, 20000)
 
 #: The issue's measurement of the reuse oracle on the bundled trace (``--time arrival``,
@@ -50,28 +50,6 @@ GOLDEN_ARRIVAL = {
 }
 
 
-def _req(i, ids, t=0.0):
-    return Request(i, block_hashes=ids, num_tokens=len(ids) * BS, arrival=t)
-
-
-class _Harness:
-    """A manager on a manual clock that records every eviction (block hashes, in order)."""
-
-    def __init__(self, num_blocks, policy):
-        self.clock = ManualClock()
-        self.manager = KVCacheManager(BlockPool(num_blocks, BS), policy, clock=self.clock)
-        self.evicted = []
-        self.manager.add_eviction_listener(lambda b, now: self.evicted.append(b.block_hash))
-
-    def run(self, t, ids):
-        """Begin and finish one request of block ids at clock time ``t``."""
-        self.clock.set(t)
-        seq = self.manager.begin(_req(f"r{t}", ids))
-        self.manager.finish(seq.seq_id)
-        self.manager.check()
-        return seq.num_cached_tokens // BS
-
-
 @pytest.fixture(scope="module")
 def trace() -> list[Request]:
     return read_mooncake(bundled_trace_path("mooncake"))
@@ -82,7 +60,7 @@ def trace() -> list[Request]:
 
 def test_reuse_oracle_evicts_dead_blocks_first_in_lru_order():
     future = {1: [0, 9], 2: [1], 3: [2], 4: [3, 8], 5: [4]}
-    h = _Harness(4, ReuseOracle(future))
+    h = Harness(4, ReuseOracle(future))
     for t, ids in enumerate([[1], [2], [3], [4]]):
         h.run(t, ids)
     h.run(4, [5])  # dead: 2, 3 (live: 1, 4): the least recently used dead one, 2
@@ -100,7 +78,7 @@ def test_reuse_oracle_runs_lru_among_live_blocks_where_belady_does_not():
     future = {1: [0, 5], 3: [1, 6], 4: [2]}
     runs = {}
     for name, policy in (("reuse", ReuseOracle(future)), ("belady", Belady(future))):
-        h = _Harness(2, policy)
+        h = Harness(2, policy)
         h.run(0, [1])
         h.run(1, [3])
         h.run(2, [4])  # both candidates are live: 1 (next 5) is older, 3 (next 6) later
@@ -115,7 +93,7 @@ def test_reuse_oracle_keeps_a_live_chain_and_drops_a_dead_tail_first():
     future = {1: [0, 1, 3], 2: [0, 3], 3: [0, 3], 7: [1], 8: [1], 9: [2]}
     runs = {}
     for name, policy in (("reuse", ReuseOracle(future)), ("lru", make_policy("lru"))):
-        h = _Harness(5, policy)
+        h = Harness(5, policy)
         h.run(0, chat)
         h.run(1, single)
         h.run(2, [9])  # one block needed: 5 resident, 4 candidates (3 and 8 are leaves)
@@ -130,11 +108,11 @@ def test_horizon_oracle_depends_on_the_clock():
     At time 2 block 2's next use (20) is beyond 2 + 10: it goes first although more recent.
     At time 10 both next uses are within 10 + 10: LRU among them takes the older, 1."""
     future = {1: [0, 12], 2: [1, 20], 3: [2, 10]}
-    early = _Harness(2, HorizonOracle(future, horizon=10))
+    early = Harness(2, HorizonOracle(future, horizon=10))
     early.run(0, [1])
     early.run(1, [2])
     early.run(2, [3])
-    late = _Harness(2, HorizonOracle(future, horizon=10))
+    late = Harness(2, HorizonOracle(future, horizon=10))
     late.run(0, [1])
     late.run(1, [2])
     late.run(10, [3])
@@ -144,7 +122,7 @@ def test_horizon_oracle_depends_on_the_clock():
 def test_horizon_oracle_far_and_dead_blocks_share_one_lru_class():
     """Beyond H and never again are the same class: the older of them goes first."""
     future = {1: [0, 100], 2: [1], 3: [2, 4], 4: [3]}
-    h = _Harness(3, HorizonOracle(future, horizon=5))
+    h = Harness(3, HorizonOracle(future, horizon=5))
     for t, ids in enumerate([[1], [2], [3]]):
         h.run(t, ids)
     h.run(3, [4])  # far: 1 (next 100 > 8), 2 (never); near: 3 (next 4): 1 is the oldest
@@ -157,7 +135,7 @@ def test_horizon_oracle_far_and_dead_blocks_share_one_lru_class():
 def test_a_far_block_is_promoted_when_the_clock_reaches_its_next_use_minus_h():
     future = {1: [0, 30], 2: [1, 50], 3: [2]}
     policy = HorizonOracle(future, horizon=10)
-    h = _Harness(4, policy)
+    h = Harness(4, policy)
     h.run(0, [1])
     h.run(1, [2])
     h.run(2, [3])
@@ -180,7 +158,7 @@ def test_horizon_zero_is_lru_and_infinite_is_the_reuse_oracle_on_hand_built_futu
                 (7, [6]), (9, [2])]
 
     def evictions(policy):
-        h = _Harness(3, policy)
+        h = Harness(3, policy)
         for t, ids in schedule:
             h.run(t, ids)
         return h.evicted
@@ -205,7 +183,7 @@ def test_registered_offline_with_defaults():
 
 
 def test_from_requests_and_build_policy_with_a_horizon():
-    reqs = [_req(0, [1, 2], 0.0), _req(1, [1, 3], 4.0), _req(2, [1, 2], 9.0)]
+    reqs = [req(0, [1, 2], 0.0), req(1, [1, 3], 4.0), req(2, [1, 2], 9.0)]
     oracle = HorizonOracle.from_requests(reqs, time="arrival", horizon=5)
     assert oracle.horizon == 5 and oracle.belady.next_use(2, 0.0) == 0.0
     oracle.on_begin(reqs[0], [], [], 0.0)  # request 0's accesses leave the future
@@ -231,12 +209,12 @@ def test_horizon_errors_are_specific():
         with pytest.raises(ConfigError, match="horizon must be"):
             HorizonOracle(horizon=bad)
     with pytest.raises(ConfigError, match="horizon must be"):
-        build_policy("horizon-oracle", {"horizon": -5}, requests=[_req(0, [1])])
+        build_policy("horizon-oracle", {"horizon": -5}, requests=[req(0, [1])])
     with pytest.raises(ConfigError, match="future must map"):
         ReuseOracle([1, 2])
     with pytest.raises(ConfigError, match="Requests"):
         ReuseOracle.from_requests([[1]])
-    with NextUseFile.build([_req(0, [1])], block_size=BS) as future:
+    with NextUseFile.build([req(0, [1])], block_size=BS) as future:
         with pytest.raises(ConfigError, match="arrivals=True"):
             FileHorizonOracle(future, 4, time="arrival", horizon=30)
         with pytest.raises(ConfigError, match="time must be"):
@@ -253,7 +231,7 @@ def test_the_arrival_cursor_nudges_ties_as_the_replay_does(monkeypatch):
 
     monkeypatch.setattr(module, "_ARRIVAL_CHUNK", 2)  # several reads of the arrivals
     arrivals = [0.0, 1.0, 1.0, 1.0, 2.5, 7.0]
-    reqs = [_req(i, [i + 1], t) for i, t in enumerate(arrivals)]
+    reqs = [req(i, [i + 1], t) for i, t in enumerate(arrivals)]
     times = request_times(reqs, "arrival")
     with NextUseFile.build(reqs, block_size=BS, arrivals=True) as future:
         oracle = FileHorizonOracle(future, 4, time="arrival", horizon=1.0)
@@ -274,9 +252,9 @@ def _evictions(trace, policy, size, times):
     manager = KVCacheManager(BlockPool(size, 512), policy, clock=ManualClock())
     evicted = []
     manager.add_eviction_listener(lambda b, now: evicted.append(b.block_hash))
-    for req, t in zip(trace, times, strict=True):
+    for request, t in zip(trace, times, strict=True):
         manager.clock.set(t)
-        manager.finish(manager.begin(req).seq_id)
+        manager.finish(manager.begin(request).seq_id)
     return manager.stats.block_hits, evicted
 
 
@@ -366,7 +344,7 @@ def test_default_table_is_the_decomposition():
 
 
 def test_horizons_replace_the_default_row_or_follow_the_list():
-    reqs = [_req(i, ids, float(i)) for i, ids in
+    reqs = [req(i, ids, float(i)) for i, ids in
             enumerate([[1, 2], [3], [1, 2], [4], [3], [1, 5]])]
     table = replay_table(reqs, ["lru", "horizon-oracle", INFINITE], [3], BS,
                          horizons=[1, 2.5])
