@@ -344,6 +344,16 @@ def _bin_fraction(seconds: float) -> tuple[int, float]:
     return k, math.log(seconds / GAP_EDGES[k]) * _INV_LOG_RATIO
 
 
+def _survival(hazards: Sequence[float]) -> list[float]:
+    """``S`` at the start of each bin from the bins' hazards: the product of ``1 - hazard``
+    over the bins before it (1 at 0)."""
+    s, out = 1.0, []
+    for h in hazards:
+        out.append(s)
+        s *= 1.0 - h
+    return out
+
+
 #: Per bin of idle time, the idle time its odds are taken at (the bin's geometric middle;
 #: 0.05 s in bin 0, a day in the last), with `_bin_fraction` of it.
 _IDLE_POINTS: tuple[tuple[float, int, float], ...] = tuple(
@@ -505,11 +515,7 @@ class GapTable(TrialBook):
     def survival(self, cell: Any, now: float | None = None) -> list[float]:
         """``S`` at the start of each bin (``GAP_EDGES``; 1 at 0): the estimated probability
         that a block of ``cell`` is not used again within that time."""
-        s, out = 1.0, []
-        for h in self.hazards(cell, now):
-            out.append(s)
-            s *= 1.0 - h
-        return out
+        return _survival(self.hazards(cell, now))
 
     def return_odds(self, cell: Any, horizon: float, now: float | None = None) -> list[float]:
         """Per bin of idle time, ``P(t < G <= t + H | G > t)`` for a block of ``cell`` idle
@@ -523,11 +529,7 @@ class GapTable(TrialBook):
         ``S_r = 1 - F`` the survival of the returning blocks' gaps: the same number.
         """
         hz = self.hazards(cell, now)
-        start = []
-        s = 1.0
-        for h in hz:
-            start.append(s)
-            s *= 1.0 - h
+        start = _survival(hz)
 
         def surv(k: int, f: float) -> float:  # S at fraction f of log time into bin k
             if k == _LAST_BIN:
