@@ -217,13 +217,14 @@ class TrialBook(abc.ABC):
         trials = self.trials
         pop = trials.pop
         reused = self._reused
-        for block_hash in block_hashes:
-            trial = pop(block_hash, None)
-            if trial is not None:
-                if trial[0] > now:  # opened after that use: not its reuse
-                    trials[block_hash] = trial
-                    continue
-                reused(block_hash, trial[1], now - trial[0], horizon)
+        # most uses end no trial (one in TRIAL_EVERY opens one): skip them in C; the filter
+        # is lazy, so a hash named twice sees the first one's effect, as in a plain loop
+        for block_hash in filter(trials.__contains__, block_hashes):
+            trial = pop(block_hash)
+            if trial[0] > now:  # opened after that use: not its reuse
+                trials[block_hash] = trial
+                continue
+            reused(block_hash, trial[1], now - trial[0], horizon)
 
     def expire(self, now: float, limit: float) -> None:
         """End every trial open longer than ``limit`` seconds at ``now``."""
@@ -573,13 +574,14 @@ class LearnedReuse(Policy):
         self.prior_weight = float(prior_weight)
         self.memory = float(memory)
         self.conversations = ConversationTracker(max_conversations)
+        self._owner = self.conversations.owner  # what `ConversationTracker.forget` drops from
         self.table: GapTable | ReuseTable = (
             GapTable(self.prior_weight, self.memory) if self._empirical
             else ReuseTable(self.prior_weight, self.memory))
         self.costs: CostBuckets | None = None
-        #: the horizon H (seconds): moving mean of evicted idle times
-        self.horizon = INITIAL_HORIZON_S
-        self._evicted = 0  # evictions so far
+        self._horizon = INITIAL_HORIZON_S  # H as of the last fold of `_idles`
+        self._evicted = 0  # evictions folded into it so far
+        self._idles: list[float] = []  # idle times of the evictions not folded in yet
         #: block id -> its feature cell, filed when the request that used it last finished
         self._state: dict[int, tuple[Any, ...]] = {}
         #: request id -> ((conversation key, turn), blocks known at its begin), begin to finish
@@ -601,6 +603,31 @@ class LearnedReuse(Policy):
         self._odds: dict[Any, tuple[list[float], int, float]] = {}
         #: empirical gaps: (time the idle bin of a key ends, block id, that key)
         self._timers: list[tuple[float, int, tuple[float, int, int]]] = []
+
+    @property
+    def horizon(self) -> float:
+        """The horizon H (seconds): the moving mean of evicted idle times (weight
+        `HORIZON_WEIGHT`; the first eviction's idle time until then `INITIAL_HORIZON_S`). An
+        eviction only notes its idle time; they are folded in, in order, when H is read."""
+        idles = self._idles
+        if idles:
+            h = self._horizon
+            w = HORIZON_WEIGHT
+            first = self._evicted == 0
+            for idle in idles:
+                if idle < 0.0:
+                    idle = 0.0
+                if first:
+                    h = idle
+                    first = False
+                else:
+                    h += w * (idle - h)
+                if h < 1e-6:
+                    h = 1e-6
+            self._evicted += len(idles)
+            idles.clear()
+            self._horizon = h
+        return self._horizon
 
     def bind(self, block_size: int) -> None:
         super().bind(block_size)
@@ -782,34 +809,30 @@ class LearnedReuse(Policy):
             self.conversations.finish(conv, blocks)
             # blocks cached after the begin (later prefill chunks): reuses when they were
             # cached, before the trials they resolve can expire
-            for block in blocks[known:]:
-                self._resolve((block.block_hash,), block.created)
+            later = blocks[known:]
+            if later:
+                reuse_all, horizon = table.reuse_all, self.horizon
+                for block in later:
+                    reuse_all((block.block_hash,), block.created, horizon)
         out = request.output_len
         cells = self._cells(blocks, min(out.bit_length(), 10) if out > 0 else 0, turn)
-        state = self._state
         self._expire(now)
-        pending = self._pending
-        trials = []
-        released, released_cells = [], []
-        k, every = self._sampled, TRIAL_EVERY
-        for block, cell in zip(blocks, cells):
-            block_id = block.block_id
-            state[block_id] = cell
-            k += 1
-            if k >= every:  # one block use in TRIAL_EVERY is a trial (LRB samples too)
-                k = 0
-                trials.append((block.block_hash, cell))
-            if pending.pop(block_id, None) is not None:
-                released.append(block)
-                released_cells.append(cell)
-        self._sampled = k
-        if trials:
-            table.open_all(trials, now)
+        filed = dict(zip([block.block_id for block in blocks], cells))
+        self._state.update(filed)
+        # one block use in TRIAL_EVERY is a trial (LRB samples too), counted across requests
+        every, n = TRIAL_EVERY, len(blocks)
+        first = every - 1 - self._sampled
+        if first < n:
+            table.open_all([(blocks[i].block_hash, cells[i]) for i in range(first, n, every)],
+                           now)
+        self._sampled = (self._sampled + n) % every
         # the request's released candidates are priced now that their features are known
-        if released:
+        pending = self._pending
+        if pending:
             keys, heap, key = self._keys, self._heap, self._key
-            for block, cell in zip(released, released_cells):
-                k = keys[block.block_id] = key(block, cell, now)
+            for block_id in [i for i in pending if i in filed]:
+                block = pending.pop(block_id)
+                k = keys[block_id] = key(block, filed[block_id], now)
                 heapq.heappush(heap, k)
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
@@ -839,17 +862,12 @@ class LearnedReuse(Policy):
         self._evicted_block(block, now)
 
     def _evicted_block(self, block: BlockInfo, now: float) -> None:
-        """Forget an evicted block's features and conversation, and learn the horizon from
-        its idle time (the moving mean of evicted idle times)."""
-        self._state.pop(block.block_id, None)
-        self.conversations.forget(block.block_id)
-        idle = max(now - block.last_access, 0.0)
-        if self._evicted == 0:
-            self.horizon = max(idle, 1e-6)
-        else:
-            self.horizon += HORIZON_WEIGHT * (idle - self.horizon)
-            self.horizon = max(self.horizon, 1e-6)
-        self._evicted += 1
+        """Forget an evicted block's features and conversation, and note its idle time for
+        the horizon (folded in when `horizon` is next read)."""
+        block_id = block.block_id
+        self._state.pop(block_id, None)
+        self._owner.pop(block_id, None)
+        self._idles.append(now - block.last_access)
         self._since_rebuild += 1
 
     def _top(self, now: float) -> tuple[float, int, int] | None:
