@@ -16,6 +16,8 @@ from kvevict.errors import ConfigError
 from kvevict.manager import KVCacheManager
 from kvevict.policies.learned import (
     GAP_EDGES,
+    HORIZON_WEIGHT,
+    INITIAL_HORIZON_S,
     NUM_GAP_BINS,
     ConversationTracker,
     GapTable,
@@ -143,6 +145,37 @@ def test_table_starts_every_cell_at_the_pooled_rate_and_learns() -> None:
     pooled = 5 / 10  # 1 + 4 successes, 1 + 4 failures
     assert table.p("a") == pytest.approx((8 * pooled + 4) / 12)
     assert table.p("b") == pytest.approx((8 * pooled) / 12)
+
+
+def test_the_horizon_is_the_moving_mean_of_evicted_idle_times_in_eviction_order() -> None:
+    """H starts at the initial horizon, becomes the first victim's idle time, then moves by
+    HORIZON_WEIGHT toward each later victim's idle time, in the order the victims left: read
+    between single evictions, and after a burst (no rebuild inside it reads H), it equals
+    a fold done by hand."""
+    policy = LearnedReuse(FLAT)
+    m, clock = manager(16, policy)
+    assert policy.horizon == INITIAL_HORIZON_S
+    for k in range(8):  # eight one-block requests released at t = 0, 10, ..., 70: one cell
+        run(m, clock, 10.0 * k, ("r", k), (("b", k),), out=0)
+    released = [m.tree.get(("b", k)).last_access for k in range(8)]
+    assert released == [10.0 * k for k in range(8)]
+
+    def fold(idles: list[float]) -> float:
+        h = idles[0]
+        for idle in idles[1:]:
+            h += HORIZON_WEIGHT * (idle - h)
+        return h
+
+    clock.set(100.0)
+    m.evict(1)  # the oldest, idle 100 s
+    assert policy.horizon == 100.0
+    m.evict(1)  # idle 90 s
+    assert policy.horizon == fold([100.0, 90.0])
+    clock.set(250.0)
+    m.evict(3)  # idle 230, 220 and 210 s, oldest first
+    assert [m.tree.get(("b", k)) is None for k in range(8)] == [True] * 5 + [False] * 3
+    assert policy.horizon == fold([100.0, 90.0, 230.0, 220.0, 210.0])
+    assert policy.horizon != fold([100.0, 90.0, 210.0, 220.0, 230.0])  # the order matters
 
 
 def test_a_later_prefill_chunk_resolves_its_trial_when_it_is_cached() -> None:
