@@ -34,6 +34,11 @@ of one sim-lru run when it is above the 5x target)::
 
     python benchmarks/bench_sim.py [--scale 8] [--capacity 20000] [--rounds 3]
     python benchmarks/bench_sim.py --stream mooncake --repeat 9 --capacity 5000
+    python benchmarks/bench_sim.py --stream mooncake --paired learned --rounds 10
+
+``--paired POLICY`` times replay-lru and replay-POLICY back to back each round (alternating
+which goes first) and prints the median and quartiles of the per-round ratios: on a shared
+machine whose speed drifts between runs, steadier than a ratio of two best-of-N times.
 
 As pytest-benchmark tests (group ``sim-throughput``)::
 
@@ -48,6 +53,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 from collections import OrderedDict
@@ -299,6 +305,23 @@ def time_all(stream: Stream, capacity: int, rounds: int,
     return best, runs
 
 
+def paired_ratios(stream: Stream, capacity: int, rounds: int, policy: str) -> list[float]:
+    """CPU seconds of ``replay-<policy>`` over those of ``replay-lru``, one ratio per round,
+    the two timed back to back in alternating order: on a machine whose speed drifts between
+    runs, the median of these is steadier than a ratio of two best-of-N times."""
+    names = ("replay-lru", f"replay-{policy}")
+    ratios = []
+    for r in range(rounds):
+        seconds = {}
+        for name in names if r % 2 == 0 else names[::-1]:
+            gc.collect()
+            start = cpu_time()
+            IMPLEMENTATIONS[name](stream, capacity)
+            seconds[name] = cpu_time() - start
+        ratios.append(seconds[names[1]] / seconds[names[0]])
+    return ratios
+
+
 def profile_sim(stream: Stream, capacity: int, policy: str = "lru", top: int = 15) -> None:
     import cProfile
     import pstats
@@ -323,6 +346,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="best of this many runs")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the cProfile of one sim-lru run printed at the end")
+    parser.add_argument("--paired", metavar="POLICY", choices=NEW_POLICIES,
+                        help="instead: time replay-lru and replay-POLICY back to back, "
+                             "--rounds times, and print the median of the per-round ratios")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
@@ -340,6 +366,13 @@ def main(argv: list[str] | None = None) -> None:
     if events < 1_000_000:
         print("note: fewer than 1M block events; raise --scale / --repeat")
 
+    if args.paired:
+        ratios = paired_ratios(stream, capacity, args.rounds, args.paired)
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        print(f"replay-{args.paired} / replay-lru, per round (CPU time, back to back): "
+              f"median {statistics.median(ratios):.2f}x, quartiles {q1:.2f}-{q3:.2f}x over "
+              f"{len(ratios)} rounds (target <= {POLICY_TARGET:g}x)")
+        return
     best, runs = time_all(stream, capacity, args.rounds)
     base = best[BASELINE]
     print(f"\nbest of {args.rounds} (process CPU time); block event = one prompt block looked "

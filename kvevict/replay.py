@@ -108,10 +108,10 @@ from kvevict.tiers import TierStack
 from kvevict.types import ManualClock, Request
 
 __all__ = ["BATCH_FIELDS", "INFINITE", "MAX_LAG1", "METRICS", "MIN_BATCHES", "ORACLES",
-           "Batches", "Comparison", "ReplayRecord", "ReplayResult", "ReplayTable", "compare",
-           "default_policies", "format_comparison", "format_table", "format_tier_table",
-           "horizon_label", "lag1", "lag1_factor", "load_results", "main", "open_trace", "replay",
-           "replay_table", "row_labels"]
+           "Batches", "Comparison", "ReplayRecord", "ReplayResult", "ReplayTable", "Tally",
+           "compare", "default_policies", "format_comparison", "format_table",
+           "format_tier_table", "horizon_label", "lag1", "lag1_factor", "load_results", "main",
+           "open_trace", "replay", "replay_table", "row_labels"]
 
 #: ``progress(phase, requests done)`` is called every this many requests (and at the end).
 PROGRESS_EVERY = 1000
@@ -394,6 +394,37 @@ class Batches:
         return tuple(tuple(b) for b in out)
 
 
+class Tally:
+    """A replay's requests, one `add` each: the prefill seconds they cost and saved by a cost
+    model (`kvevict.cost.PrefillLedger`) and their `Batches`. Every replay of a `ReplayResult`
+    keeps one (this module's, and the vLLM engines' in `kvevict.adapters.vllm`)."""
+
+    __slots__ = ("prefill", "batches")
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self.prefill = PrefillLedger(cost_model)
+        self.batches = Batches()
+
+    def add(self, blocks: int, block_hits: int, tokens: int, token_hits: int) -> None:
+        """One request: ``blocks`` looked up, the first ``block_hits`` served from the cache;
+        its prompt of ``tokens``, the first ``token_hits`` served (0 and 0 for a request
+        that could not run)."""
+        full, saved = self.prefill.add(tokens, token_hits)
+        self.batches.add((blocks, block_hits, tokens, token_hits, full, saved))
+
+    def totals(self) -> tuple[int, int, int, int]:
+        """(blocks, block hits, tokens, token hits) over every request added."""
+        batches = self.batches.result()
+        return tuple(round(math.fsum(b[i] for b in batches))  # type: ignore[return-value]
+                     for i in range(4))
+
+    def result_fields(self) -> dict[str, Any]:
+        """The `ReplayResult` fields it holds: ``prefill_s``, ``prefill_saved_s`` and
+        ``batches``."""
+        return {"prefill_s": self.prefill.full_s, "prefill_saved_s": self.prefill.saved_s,
+                "batches": self.batches.result()}
+
+
 class _Cell:
     """One policy at one pool size, fed one request at a time (``closes``: the policy reads
     a next-use file and has a ``close``)."""
@@ -414,8 +445,7 @@ class _Cell:
         self.records: list[ReplayRecord] | None = [] if records else None
         self.requests = self.rejected = self.rejected_blocks = self.rejected_tokens = 0
         self.seconds = seconds
-        self.prefill = PrefillLedger(cost_model)
-        self.batches = Batches()
+        self.tally = Tally(cost_model)
 
     def step(self, index: int, request: Request, t: float) -> None:
         start = _time.perf_counter()
@@ -440,8 +470,7 @@ class _Cell:
                 self.records.append(ReplayRecord(index, request.request_id, blocks, 0,
                                                  tokens, 0, True))
             self.seconds += _time.perf_counter() - start
-            full, _ = self.prefill.add(tokens, 0)
-            self.batches.add((blocks, 0, tokens, 0, full, 0.0))
+            self.tally.add(blocks, 0, tokens, 0)
             return
         manager.finish(seq.seq_id)
         token_hits = stats.prefix_cache_hits - tokens_before
@@ -453,9 +482,8 @@ class _Cell:
         if self.check_every and self.requests % self.check_every == 0:
             manager.check()
         self.seconds += _time.perf_counter() - start
-        full, saved = self.prefill.add(request.prompt_len, token_hits)
-        self.batches.add((len(seq.hashes), block_hits, stats.prefix_cache_queries - queries_before,
-                          token_hits, full, saved))
+        self.tally.add(len(seq.hashes), block_hits, stats.prefix_cache_queries - queries_before,
+                       token_hits)
 
     def result(self) -> ReplayResult:
         if self.check_every:
@@ -480,9 +508,7 @@ class _Cell:
             seconds=self.seconds,
             records=None if self.records is None else tuple(self.records),
             tiers=tiers,
-            prefill_s=self.prefill.full_s,
-            prefill_saved_s=self.prefill.saved_s,
-            batches=self.batches.result(),
+            **self.tally.result_fields(),
         )
 
 
@@ -954,11 +980,14 @@ def lag1_factor(rho: float) -> float:
 
 
 def format_comparison(table: ReplayTable, baseline: str = "lru",
-                      metric: str = "block_hit_ratio", confidence: float = 0.95) -> str:
+                      metric: str = "block_hit_ratio", confidence: float = 0.95,
+                      comparisons: Sequence[Comparison] | None = None) -> str:
     """A Markdown table of `compare`: per row and size, the ratio to ``baseline`` and the
     difference with its interval; **bold** where the interval excludes 0, ``n.s.`` (no
-    significant difference) where it does not."""
-    rows = compare(table, baseline, metric, confidence)
+    significant difference) where it does not. ``comparisons``: what `compare` returned for
+    these arguments, if the caller has it (it is not computed again)."""
+    rows = (compare(table, baseline, metric, confidence) if comparisons is None
+            else comparisons)
     lines = _head(table)
     for policy in table.policies:
         if policy == baseline:

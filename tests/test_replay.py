@@ -15,7 +15,9 @@ from kvevict.policies.belady import Belady
 from kvevict.replay import (
     BATCH_FIELDS,
     MIN_BATCHES,
+    Batches,
     ReplayTable,
+    Tally,
     compare,
     format_comparison,
     format_table,
@@ -483,6 +485,36 @@ def test_prefill_ledger_and_cost_model_errors():
     with pytest.raises(ConfigError, match="metric must be one of block_hit_ratio, "
                                           "token_hit_ratio, prefill_saved_ratio"):
         format_table(ReplayTable(["lru"], [3]), "seconds")
+
+
+def test_a_tally_is_its_requests_prefill_batches_and_totals(trace):
+    """`Tally` (what every replay keeps): its totals are the sums of what was added, its
+    prefill the ledger's, its batches `Batches` of the same rows; the replay's own totals
+    (from the manager's statistics) equal its tally's."""
+    cm = CostModel()
+    empty = Tally(cm)
+    assert empty.totals() == (0, 0, 0, 0)
+    assert empty.result_fields() == {"prefill_s": 0.0, "prefill_saved_s": 0.0, "batches": ()}
+    rows = [(3, 1, 40, 16), (2, 0, 30, 0), (5, 5, 70, 70), (4, 0, 50, 0)]  # one rejected
+    tally, ledger, batches = Tally(cm), PrefillLedger(cm), Batches()
+    for blocks, hits, tokens, token_hits in rows:
+        tally.add(blocks, hits, tokens, token_hits)
+        full, saved = ledger.add(tokens, token_hits)
+        batches.add((blocks, hits, tokens, token_hits, full, saved))
+    assert tally.totals() == (14, 6, 190, 86)
+    assert tally.result_fields() == {"prefill_s": ledger.full_s,
+                                     "prefill_saved_s": ledger.saved_s,
+                                     "batches": batches.result()}
+    result = replay(trace[:500], "lru", 300, records=True, cost_model=cm)
+    assert result.rejected == 0
+    again = Tally(cm)
+    for r in result.records:
+        again.add(r.blocks, r.block_hits, r.tokens, r.token_hits)
+    assert again.totals() == (result.accesses, result.hits, result.token_queries,
+                              result.token_hits)
+    assert again.result_fields() == {"prefill_s": result.prefill_s,
+                                     "prefill_saved_s": result.prefill_saved_s,
+                                     "batches": result.batches}
 
 
 def test_batches_are_equal_runs_of_consecutive_requests_that_add_up(trace):

@@ -405,7 +405,7 @@ def _report(args: argparse.Namespace, table: ReplayTable, meta: dict[str, Any],
               f"difference with its 95% interval by batch means ({batches} batches of "
               f"consecutive requests, at least {MIN_BATCHES}); bold where it excludes 0, "
               "n.s. (no significant difference) where it does not")
-        print(format_comparison(table, versus, metric))
+        print(format_comparison(table, versus, metric, comparisons=comparisons))
     if any(r.tiers for r in table.results):
         host = meta.get("host")
         about = (f" of {host['blocks']:,} blocks ({host['policy']}, {host['profile']})"

@@ -44,10 +44,10 @@ from kvevict.adapters.vllm import check_table_args
 
 # kvevict's GPU-tier module before vLLM's: it checks vLLM is there (and supported) first
 from kvevict.adapters.vllm.gpu import GPUTier, KVEvictKVCacheManager, gpu_policy
-from kvevict.cost import CostModel, PrefillLedger
+from kvevict.cost import CostModel
 from kvevict.errors import ConfigError
 from kvevict.policies.registry import is_offline
-from kvevict.replay import Batches, ReplayRecord, ReplayResult, ReplayTable
+from kvevict.replay import ReplayRecord, ReplayResult, ReplayTable, Tally
 from kvevict.types import ManualClock, Request
 
 import torch  # isort: skip  (vLLM's specs take a torch dtype)
@@ -214,9 +214,8 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
     hasher = block_hasher(block_size)
     pool = manager.block_pool
     start = _time.perf_counter()
-    accesses = hits = queries = token_hits = rejected = cached = 0
-    prefill = PrefillLedger(CostModel())
-    batches = Batches()
+    rejected = cached = 0
+    tally = Tally(CostModel())
     kept: list[ReplayRecord] | None = [] if records else None
     for i, (req, tokens) in enumerate(zip(reqs, stream.tokens)):
         t = float(req.arrival) if time == "arrival" else float(i)
@@ -232,16 +231,11 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
         found = drive_request(manager, vreq)
         got = found or 0  # tokens hit (none for a rejected request)
         got_blocks = got // block_size
-        accesses += full
-        queries += vreq.num_tokens
         if found is None:
             rejected += 1
         else:
-            token_hits += got
-            hits += got_blocks
             cached += full - got_blocks
-        full_s, saved_s = prefill.add(vreq.num_tokens, got)
-        batches.add((full, got_blocks, vreq.num_tokens, got, full_s, saved_s))
+        tally.add(full, got_blocks, vreq.num_tokens, got)
         if kept is not None:
             kept.append(ReplayRecord(i, req_id, full, got_blocks, vreq.num_tokens, got,
                                      found is None))
@@ -253,14 +247,14 @@ def replay_gpu(requests: Iterable[Request], policy: str, capacity_blocks: int, *
     if tier is not None and tier.evictions != evictions:
         raise AssertionError(f"plugin counted {tier.evictions} evictions, vLLM's pool "
                              f"{evictions}")
+    accesses, hits, queries, token_hits = tally.totals()
     return ReplayResult(policy=label if label is not None else policy,
                         capacity_blocks=capacity_blocks, block_size=block_size,
                         requests=len(reqs), accesses=accesses, hits=hits,
                         token_queries=queries, token_hits=token_hits, evictions=evictions,
                         rejected=rejected, seconds=seconds,
                         records=None if kept is None else tuple(kept),
-                        prefill_s=prefill.full_s, prefill_saved_s=prefill.saved_s,
-                        batches=batches.result())
+                        **tally.result_fields())
 
 
 def replay_gpu_table(requests: Iterable[Request], policies: Sequence[str],

@@ -36,10 +36,10 @@ from typing import Any
 
 from kvevict.adapters.vllm import check_table_args
 from kvevict.adapters.vllm.offload import KVEvictCachePolicy, offload_policy
-from kvevict.cost import CostModel, PrefillLedger
+from kvevict.cost import CostModel
 from kvevict.errors import ConfigError
 from kvevict.hashing import block_hashes
-from kvevict.replay import Batches, ReplayResult, ReplayTable
+from kvevict.replay import ReplayResult, ReplayTable, Tally
 from kvevict.types import ManualClock, Request
 
 from vllm.v1.kv_offload.base import (  # isort: skip
@@ -193,17 +193,12 @@ def replay_offload(requests: Iterable[Request], policy: str, capacity_chunks: in
     stream = [(float(req.arrival) if time == "arrival" else float(i), str(req.request_id),
                offload_keys(req)) for i, req in enumerate(reqs)]
     start = _time.perf_counter()
-    accesses = hits = skipped = evictions = 0
-    prefill = PrefillLedger(CostModel())
-    batches = Batches()
+    skipped = evictions = 0
+    tally = Tally(CostModel())
     for i, (t, req_id, keys) in enumerate(stream):
         clock.set(t)
         found, evicted = drive_request(manager, keys, ReqContext(req_id), chunk_tokens)
-        accesses += len(keys)
-        hits += found
-        full_s, saved_s = prefill.add(len(keys) * chunk_tokens, found * chunk_tokens)
-        batches.add((len(keys), found, len(keys) * chunk_tokens, found * chunk_tokens, full_s,
-                     saved_s))
+        tally.add(len(keys), found, len(keys) * chunk_tokens, found * chunk_tokens)
         if evicted is None:
             skipped += 1
         else:
@@ -211,13 +206,13 @@ def replay_offload(requests: Iterable[Request], policy: str, capacity_chunks: in
         if check_every and adapter is not None and (i + 1) % check_every == 0:
             adapter.check()
     seconds = _time.perf_counter() - start
+    accesses, hits, token_queries, token_hits = tally.totals()
     return ReplayResult(policy=label if label is not None else policy,
                         capacity_blocks=capacity_chunks, block_size=chunk_tokens,
                         requests=len(reqs), accesses=accesses, hits=hits,
-                        token_queries=accesses * chunk_tokens, token_hits=hits * chunk_tokens,
+                        token_queries=token_queries, token_hits=token_hits,
                         evictions=evictions, rejected=skipped, seconds=seconds,
-                        prefill_s=prefill.full_s, prefill_saved_s=prefill.saved_s,
-                        batches=batches.result())
+                        **tally.result_fields())
 
 
 def replay_offload_table(requests: Iterable[Request], policies: Sequence[str],
