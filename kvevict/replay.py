@@ -743,10 +743,8 @@ class ReplayTable:
         """
         policies = list(self.policies if policies is None else policies)
         capacities = list(self.capacities if capacities is None else capacities)
-        for kind, names in (("policy", policies), ("size", capacities)):
-            twice = [x for i, x in enumerate(names) if x in names[:i]]
-            if twice:
-                raise ConfigError(f"select names the {kind} {twice[0]!r} twice")
+        check_distinct(policies, "select's policies", "policy")
+        check_distinct(capacities, "select's sizes", "size")
         unknown = [p for p in policies if p not in self.policies]
         if unknown:
             raise ConfigError(f"no row {unknown[0]!r} in this table (rows: "

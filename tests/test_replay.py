@@ -654,8 +654,12 @@ def test_load_results_errors_name_the_file_and_the_row(tmp_path):
         table.select(["arc"])
     with pytest.raises(ConfigError, match=r"no size 5 in this table \(sizes: 3, 4\)"):
         table.select(None, [5])
-    with pytest.raises(ConfigError, match="select names the policy 'lru' twice"):
+    with pytest.raises(ConfigError, match=r"select's policies lists lru twice \(lru,lru\); "
+                                          "give each policy once"):
         table.select(["lru", "lru"])
+    with pytest.raises(ConfigError, match=r"select's sizes lists 3 twice \(3,4,3\); give "
+                                          "each size once"):
+        table.select(None, [3, 4, 3])
 
 
 def test_progress_is_called_per_pass():

@@ -75,7 +75,7 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
-def check_distinct(names: Sequence[str], what: str = "--policies", noun: str = "policy"
+def check_distinct(names: Sequence[Any], what: str = "--policies", noun: str = "policy"
                    ) -> None:
     """`ConfigError` naming each name ``names`` lists more than once (``what`` names the
     list, e.g. the ``--policies`` flag; ``noun`` what it lists)."""
