@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from kvevict.errors import ConfigError, PolicyError
+from kvevict.policies.registry import check_distinct
+from kvevict.replay import ReplayResult, ReplayTable
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
@@ -127,14 +130,26 @@ def check_table_args(policies: Any, capacities: Any, unit: str) -> tuple[list[st
     policies = list(policies)
     if not policies:
         raise ConfigError("policies must name at least one policy")
-    twice = sorted({p for p in policies if policies.count(p) > 1})
-    if twice:
-        raise ConfigError(f"policies name {', '.join(twice)} twice")
+    check_distinct(policies, "policies")
     sizes = list(capacities)
     for size in sizes:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(f"capacities must be positive ints ({unit}), got {size!r}")
     return policies, sizes
+
+
+def replay_cells(policies: list[str], sizes: list[int],
+                 replay_one: Callable[[str, int], ReplayResult],
+                 progress: Callable[[str, int], None] | None) -> ReplayTable:
+    """The `ReplayTable` of ``replay_one(policy, size)`` for every policy at every size (as
+    `check_table_args` returned them), calling ``progress(policy, size)`` after each."""
+    results = []
+    for policy in policies:
+        for size in sizes:
+            results.append(replay_one(policy, size))
+            if progress is not None:
+                progress(policy, size)
+    return ReplayTable(policies, sizes, results)
 
 
 def policy_failure(policy: Any, event: str, unit: str, block_id: int | None,

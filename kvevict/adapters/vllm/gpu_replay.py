@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from kvevict.adapters.vllm import check_table_args
+from kvevict.adapters.vllm import check_table_args, replay_cells
 
 # kvevict's GPU-tier module before vLLM's: it checks vLLM is there (and supported) first
 from kvevict.adapters.vllm.gpu import GPUTier, KVEvictKVCacheManager, gpu_policy
@@ -277,10 +277,5 @@ def replay_gpu_table(requests: Iterable[Request], policies: Sequence[str],
     for policy in policies:  # a bad name fails before any replay runs
         make_gpu_manager(policy, 1, block_size=block_size)
     stream = GPUStream(requests, block_size)
-    results = []
-    for policy in policies:
-        for size in sizes:
-            results.append(replay_gpu(stream, policy, size, block_size=block_size, time=time))
-            if progress is not None:
-                progress(policy, size)
-    return ReplayTable(policies, sizes, results)
+    return replay_cells(policies, sizes, lambda policy, size: replay_gpu(
+        stream, policy, size, block_size=block_size, time=time), progress)

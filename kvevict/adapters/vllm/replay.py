@@ -34,7 +34,7 @@ import time as _time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from kvevict.adapters.vllm import check_table_args
+from kvevict.adapters.vllm import check_table_args, replay_cells
 from kvevict.adapters.vllm.offload import KVEvictCachePolicy, offload_policy
 from kvevict.cost import CostModel
 from kvevict.errors import ConfigError
@@ -236,11 +236,5 @@ def replay_offload_table(requests: Iterable[Request], policies: Sequence[str],
     for policy in policies:  # a bad name fails before any replay runs
         make_manager(policy, 1, chunk_tokens=chunk_tokens)
     cut = offload_requests(requests, chunk_tokens)
-    results = []
-    for policy in policies:
-        for size in sizes:
-            results.append(replay_offload(cut, policy, size, chunk_tokens=chunk_tokens,
-                                          time=time))
-            if progress is not None:
-                progress(policy, size)
-    return ReplayTable(policies, sizes, results)
+    return replay_cells(policies, sizes, lambda policy, size: replay_offload(
+        cut, policy, size, chunk_tokens=chunk_tokens, time=time), progress)
