@@ -346,7 +346,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="best of this many runs")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the cProfile of one sim-lru run printed at the end")
-    parser.add_argument("--paired", metavar="POLICY", choices=NEW_POLICIES,
+    parser.add_argument("--paired", metavar="POLICY",
+                        choices=[name.removeprefix("replay-") for name in IMPLEMENTATIONS
+                                 if name.startswith("replay-") and name != "replay-lru"],
                         help="instead: time replay-lru and replay-POLICY back to back, "
                              "--rounds times, and print the median of the per-round ratios")
     args = parser.parse_args(argv)

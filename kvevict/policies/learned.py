@@ -574,7 +574,6 @@ class LearnedReuse(Policy):
         self.prior_weight = float(prior_weight)
         self.memory = float(memory)
         self.conversations = ConversationTracker(max_conversations)
-        self._owner = self.conversations.owner  # what `ConversationTracker.forget` drops from
         self.table: GapTable | ReuseTable = (
             GapTable(self.prior_weight, self.memory) if self._empirical
             else ReuseTable(self.prior_weight, self.memory))
@@ -809,11 +808,8 @@ class LearnedReuse(Policy):
             self.conversations.finish(conv, blocks)
             # blocks cached after the begin (later prefill chunks): reuses when they were
             # cached, before the trials they resolve can expire
-            later = blocks[known:]
-            if later:
-                reuse_all, horizon = table.reuse_all, self.horizon
-                for block in later:
-                    reuse_all((block.block_hash,), block.created, horizon)
+            for block in blocks[known:]:
+                self._resolve((block.block_hash,), block.created)
         out = request.output_len
         cells = self._cells(blocks, min(out.bit_length(), 10) if out > 0 else 0, turn)
         self._expire(now)
@@ -866,7 +862,7 @@ class LearnedReuse(Policy):
         the horizon (folded in when `horizon` is next read)."""
         block_id = block.block_id
         self._state.pop(block_id, None)
-        self._owner.pop(block_id, None)
+        self.conversations.forget(block_id)
         self._idles.append(now - block.last_access)
         self._since_rebuild += 1
 
