@@ -259,6 +259,7 @@ class BlockInfo:
         "parent_hash",
         "parent",
         "depth",
+        "tier",
         "last_access_tick",
         "last_access",
         "workload_class",
@@ -275,7 +276,6 @@ class BlockInfo:
         "kind",
         "retention",
         "session",
-        "tier",
         "tokens",
     )
 
