@@ -13,13 +13,14 @@ from hf_models import judge_shaped, plain_answers
 from kvevict.adapters.hf.routed import (
     RoutedCache,
     calibrate,
+    refine_route,
     routed_answers,
     routed_attention,
 )
 from kvevict.errors import ConfigError
 from kvevict.tokens import make_token_policy
 from kvevict.tokens.quant import kv_bytes, quantize
-from kvevict.tokens.solver import Tuple, route, uniform
+from kvevict.tokens.solver import Tuple, route, total_bytes, uniform
 from kvevict.tokens.tasks import VOCAB_SIZE, make_items
 
 WHOLE = Tuple(1.0, None, None)
@@ -98,22 +99,12 @@ def test_bad_routings_are_refused(model):
 def test_calibration_shares_one_prefill_and_equals_a_prefill_per_routing(model):
     """`calibrate` prefills once and compresses a reroute of it per tuple: the losses are
     exactly those of a fresh prefill and compression per routing."""
-    from kvevict.adapters.hf.routed import routed_attention
-
     items = make_items("needle", 3, length=90, seed=2)
     tuples = [WHOLE, Tuple(0.5, 4, 8), Tuple(0.25, 2, None)]
     losses = calibrate(model, items, tuples)
 
-    def fresh(routing):  # the answers' mean NLL after a prefill and compression of its own
-        cache = RoutedCache(model, routing)
-        with routed_attention(model), torch.no_grad():
-            model(input_ids=torch.tensor([it.context for it in items]), cache=cache)
-            cache.compress()
-            rest = torch.tensor([(*it.question, *it.answer[:-1]) for it in items])
-            logp = torch.log_softmax(model(input_ids=rest, cache=cache).logits[:, 1:].float(),
-                                     dim=-1)
-        answer = torch.tensor([it.answer for it in items])
-        return float(-logp.gather(2, answer[:, :, None]).mean())
+    def fresh(routing):
+        return _fresh_nll(model, items, routing)
 
     base = fresh([WHOLE, WHOLE])
     for layer in range(2):
@@ -137,3 +128,55 @@ def test_calibration_routing_and_the_uniform_baseline(model):
     assert len(set(flat)) == 1  # one tuple for every layer
     assert sum(r[t] for r, t in zip(losses, routed, strict=True)) <= sum(
         r[t] for r, t in zip(losses, flat, strict=True)) + 1e-12
+
+
+def _tiny_costs(tuples, tokens):
+    return [{t: kv_bytes((2, 16, torch.float32), max(1, round(t.keep_ratio * tokens)),
+                         t.key_bits, t.value_bits) for t in tuples}] * 2
+
+
+def _fresh_nll(model, items, routing):
+    """The answers' mean NLL after a prefill and compression of its own under ``routing``."""
+    cache = RoutedCache(model, routing)
+    with routed_attention(model), torch.no_grad():
+        model(input_ids=torch.tensor([it.context for it in items]), cache=cache)
+        cache.compress()
+        rest = torch.tensor([(*it.question, *it.answer[:-1]) for it in items])
+        logp = torch.log_softmax(model(input_ids=rest, cache=cache).logits[:, 1:].float(),
+                                 dim=-1)
+    answer = torch.tensor([it.answer for it in items])
+    return float(-logp.gather(2, answer[:, :, None]).mean())
+
+
+def test_refine_route_measures_the_starts_jointly_and_only_lowers_the_loss(model):
+    """Each start's joint NLL is exactly that of its own prefill and compression; with no
+    rounds the lowest start is chosen; the search returns a routing within budget whose NLL
+    (again exact) is below every start's on this seeded model."""
+    items = make_items("recall", 4, length=100, seed=4)
+    tuples = [WHOLE, Tuple(0.5, 8, 8), Tuple(0.25, 4, 4), Tuple(0.1, 2, 2)]
+    costs = _tiny_costs(tuples, 100)
+    budget = costs[0][WHOLE] + costs[0][Tuple(0.25, 4, 4)]
+    starts = [[Tuple(0.1, 2, 2)] * 2, [Tuple(0.25, 4, 4)] * 2]
+    same, nll0, measured = refine_route(model, items, costs, budget, starts, rounds=0)
+    assert measured == [_fresh_nll(model, items, r) for r in starts]
+    lowest = min(range(2), key=measured.__getitem__)
+    assert same == starts[lowest] and nll0 == measured[lowest]
+    chosen, nll, again = refine_route(model, items, costs, budget, starts, rounds=2)
+    assert again == measured
+    assert chosen not in starts and total_bytes(chosen, costs) <= budget
+    assert nll == _fresh_nll(model, items, chosen) < min(measured)
+
+
+def test_refine_route_refuses_bad_starts(model):
+    items = make_items("recall", 2, length=100, seed=4)
+    tuples = [WHOLE, Tuple(0.25, 4, 4)]
+    costs = _tiny_costs(tuples, 100)
+    budget = 2 * costs[0][Tuple(0.25, 4, 4)]
+    with pytest.raises(ConfigError, match="at least one start"):
+        refine_route(model, items, costs, budget, [])
+    with pytest.raises(ConfigError, match=r"starts\[0\] has 1 tuples; the model has 2 layers"):
+        refine_route(model, items, costs, budget, [[WHOLE]])
+    with pytest.raises(ConfigError, match=r"starts\[1\] takes \d+ bytes, over the budget"):
+        refine_route(model, items, costs, budget, [[Tuple(0.25, 4, 4)] * 2, [WHOLE] * 2])
+    with pytest.raises(ConfigError, match="rounds must be an int >= 0, got -1"):
+        refine_route(model, items, costs, budget, [[Tuple(0.25, 4, 4)] * 2], rounds=-1)
