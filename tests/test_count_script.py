@@ -3,12 +3,8 @@ estimate, tested on hand-written logs (valgrind itself is not needed)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "count.py"
+from bench_scripts import load_benchmark
 
 LOG = """\
 ==4242== Callgrind, a call-graph generating cache profiler
@@ -21,10 +17,7 @@ side note: the child printed this
 
 @pytest.fixture(scope="module")
 def count():
-    spec = importlib.util.spec_from_file_location("count", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("count")
 
 
 def test_totals_are_read_by_their_names(count):

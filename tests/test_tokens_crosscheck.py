@@ -9,25 +9,19 @@ is checked in CI too.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from bench_scripts import load_benchmark
 
 from kvevict.tokens import make_token_policy
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kvpress_crosscheck.py"
 
 
 @pytest.fixture(scope="module")
 def cc():
-    spec = importlib.util.spec_from_file_location("kvpress_crosscheck", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kvpress_crosscheck")
 
 
 def _all(length: int) -> tuple[torch.Tensor, torch.Tensor]:
