@@ -418,8 +418,8 @@ def refine_route(model: Any, items: Sequence[TaskItem], costs: Sequence[Mapping[
     """Routings checked, and improved, on the joint calibration loss.
 
     `route` adds up each layer's loss measured alone, with the other layers whole. On the
-    judge those losses do not add up (``docs/tokens_quant.md``): two layers at 2-bit keys
-    lose more together than apart. This measures what `calibrate` measures around each
+    judge those losses do not add up to the loss of the layers compressed together
+    (``docs/tokens_quant.md``). This measures what `calibrate` measures around each
     candidate routing instead of around the whole cache. From the first of ``starts``
     (`route`'s routing, say), each round measures, for every layer and every tuple of
     ``costs``, the NLL of the current routing with that layer's tuple changed and the others
