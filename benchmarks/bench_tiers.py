@@ -109,13 +109,13 @@ def measure(blocks: int = 1000, host_blocks: int = 4000, rounds: int = 3) -> dic
     requests, block_size = load_requests()
     plain = tiered = float("inf")
     paired = []
+    sides = (None, host_blocks)
     for r in range(rounds):
-        if r % 2 == 0:
-            p, plain_hits = replay_seconds(requests, block_size, blocks, None, 1)
-            t, tiered_hits = replay_seconds(requests, block_size, blocks, host_blocks, 1)
-        else:
-            t, tiered_hits = replay_seconds(requests, block_size, blocks, host_blocks, 1)
-            p, plain_hits = replay_seconds(requests, block_size, blocks, None, 1)
+        seconds, hits = {}, {}
+        for host in sides if r % 2 == 0 else sides[::-1]:
+            seconds[host], hits[host] = replay_seconds(requests, block_size, blocks, host, 1)
+        p, t = seconds[None], seconds[host_blocks]
+        plain_hits, tiered_hits = hits[None], hits[host_blocks]
         plain, tiered = min(plain, p), min(tiered, t)
         paired.append(t / p)
     n = len(requests)

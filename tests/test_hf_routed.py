@@ -103,13 +103,11 @@ def test_calibration_shares_one_prefill_and_equals_a_prefill_per_routing(model):
     tuples = [WHOLE, Tuple(0.5, 4, 8), Tuple(0.25, 2, None)]
     losses = calibrate(model, items, tuples)
 
-    def fresh(routing):
-        return _fresh_nll(model, items, routing)
-
-    base = fresh([WHOLE, WHOLE])
+    base = _fresh_nll(model, items, [WHOLE, WHOLE])
     for layer in range(2):
         for t in tuples[1:]:
-            assert losses[layer][t] == fresh([t if i == layer else WHOLE for i in range(2)]) - base
+            routing = [t if i == layer else WHOLE for i in range(2)]
+            assert losses[layer][t] == _fresh_nll(model, items, routing) - base
     assert len({v for row in losses for v in row.values()}) > 2  # the tuples do differ
 
 
@@ -119,8 +117,7 @@ def test_calibration_routing_and_the_uniform_baseline(model):
     losses = calibrate(model, items, tuples)
     assert [row[WHOLE] for row in losses] == [0.0, 0.0]
     assert all(set(row) == set(tuples) for row in losses)
-    costs = [{t: kv_bytes((2, 16, torch.float32), max(1, round(t.keep_ratio * 100)),
-                          t.key_bits, t.value_bits) for t in tuples}] * 2
+    costs = _tiny_costs(tuples, 100)
     budget = 0.2 * costs[0][WHOLE] * 2
     routed = route(losses, costs, budget)
     flat = uniform(tuples, costs, budget, losses)

@@ -38,7 +38,7 @@ from kvevict.errors import ConfigError
 from kvevict.tokens import TOKEN_POLICIES, ScorerShape, TokenPolicy, make_token_policy
 from kvevict.tokens.base import eager_attention
 from kvevict.tokens.quant import QuantizedKV, quantize
-from kvevict.tokens.solver import Tuple, check_tuple, kept_tokens, route, total_bytes, tuple_order
+from kvevict.tokens.solver import Tuple, check_tuple, kept_tokens, route, total_bytes
 from kvevict.tokens.tasks import TaskItem, batches
 
 __all__ = ["ROUTED_ATTENTION", "ResidualLayer", "RoutedCache", "RoutedLayer", "attention_function",
@@ -460,7 +460,7 @@ def refine_route(model: Any, items: Sequence[TaskItem], costs: Sequence[Mapping[
         if spent > budget_bytes:
             raise ConfigError(f"starts[{i}] takes {spent} bytes, over the budget of "
                               f"{budget_bytes}")
-    tuples = [sorted((check_tuple(tuple(t)) for t in row), key=tuple_order) for row in costs]
+    tuples = [[check_tuple(tuple(t)) for t in row] for row in costs]
     with _joint_nll(model, items, token_policy, token_params) as nll:
         measured = [nll(routing) for routing in routings]
         best = min(range(len(routings)), key=lambda i: (measured[i], i))
