@@ -246,6 +246,27 @@ def test_cold_start_with_one_cell_is_lru() -> None:
     assert victims(m, 4) == [100, 102, 103, 101]
 
 
+def test_an_exposed_parent_competes_with_every_candidate_and_leaves_when_hit() -> None:
+    """The parent an eviction exposes is held beside the heap (a chain's tail usually goes
+    next): it is the next victim only when it is the cheapest, it rejoins the heap when
+    another eviction exposes a block, and a hit that makes it no candidate drops it."""
+    m, clock = manager(16, LearnedReuse(FLAT))  # cold start: every cell equal, so LRU
+    run(m, clock, 0, "a", ("a0", "a1"))
+    run(m, clock, 1, "b", ("b0", "b1"))
+    run(m, clock, 2, "d", ("a0",))  # a0 used at 2, still inner (a1 hangs below it)
+    for i in range(6):  # newer candidates (and enough of them that no repricing intervenes)
+        run(m, clock, 10 + i, ("x", i), (f"x{i}",))
+    # a1 goes; a0 (last used at 2) is exposed but newer than b1, which goes first and
+    # exposes b0 (used at 1): a0 rejoins the heap and goes before the newer ones
+    assert victims(m, 5) == ["a1", "b1", "b0", "a0", "x0"]
+    m, clock = manager(16, LearnedReuse(FLAT))
+    run(m, clock, 0, "e", ("e0", "e1", "e2"))
+    run(m, clock, 1, "f", ("f0", "f1"))
+    assert victims(m, 1) == ["e2"]  # exposes e1
+    run(m, clock, 2, "g", ("e0", "e1", "g2"))  # a hit on e1: no longer a candidate
+    assert victims(m, 5) == ["f1", "f0", "g2", "e1", "e0"]
+
+
 def teach(m: KVCacheManager, clock: ManualClock, cls_dead: str = "chat") -> float:
     """Six conversations of 8 turns (a 5-block first prompt, then one new block per turn,
     1 s apart) that come back until their last turn, and six single requests of class
