@@ -7,7 +7,8 @@
   afterwards, and blocks filled by decode appends hold and hash the generated ids;
 - `BayesReuse.pop_victim` (victim and on_evict in one call) evicts the same blocks in the same
   order and learns the same counts as ``victim`` followed by ``on_evict``, with and without
-  Thompson sampling.
+  Thompson sampling; `DBMS.pop_victim` evicts the same blocks in the same order, with the
+  five-minute rule expiring candidates and without it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from kvevict.hashing import ROOT_HASH, block_hashes, chain_hashes, encode_extra, hash_block
 from kvevict.manager import KVCacheManager
 from kvevict.policies.bayes import BayesReuse
+from kvevict.policies.dbms import DBMS
 from kvevict.pool import BlockPool
 from kvevict.types import ManualClock, Request
 
@@ -97,7 +99,8 @@ class _Asked(BayesReuse):
     on_evict = BayesReuse.on_evict
 
 
-def _run(policy):
+def _drive(policy):
+    """A pool under pressure: the evictions in order (block id, time) and the block hits."""
     clock = ManualClock()
     m = KVCacheManager(BlockPool(24, 4), policy, clock=clock)
     evicted = []
@@ -112,7 +115,12 @@ def _run(policy):
         m.finish(f"r{i}")
         if i % 50 == 49:
             m.check()
-    return evicted, policy.counts(400.0), m.stats.block_hits
+    return evicted, m.stats.block_hits
+
+
+def _run(policy):
+    evicted, hits = _drive(policy)
+    return evicted, policy.counts(400.0), hits
 
 
 @pytest.mark.parametrize("thompson", [False, True])
@@ -127,3 +135,23 @@ def test_bayes_pop_victim_equals_victim_then_on_evict(thompson):
     assert sum(f for _, f in got[1].values()) > 100
     assert got == expected
     assert popped.victim_stats["victim_calls"] == asked.victim_stats["victim_calls"]
+
+
+# -- dbms: pop_victim against victim + on_evict ----------------------------------------------
+
+
+class _AskedDBMS(DBMS):
+    """DBMS asked through ``victim`` and ``on_evict``."""
+
+    on_evict = DBMS.on_evict
+
+
+@pytest.mark.parametrize("rent", [0.0, 1 / 80, 1e6])  # no expiry, some, all at once
+def test_dbms_pop_victim_equals_victim_then_on_evict(rent):
+    popped, asked = DBMS(rent_per_gib_s=rent), _AskedDBMS(rent_per_gib_s=rent)
+    got, expected = _drive(popped), _drive(asked)
+    assert len(got[0]) > 500
+    assert got == expected
+    # the same choices; the victim's heap entry is popped at once, not later as stale
+    assert popped.victim_stats["victim_calls"] == asked.victim_stats["victim_calls"]
+    assert popped.victim_stats["stale_pops"] < asked.victim_stats["stale_pops"]

@@ -35,7 +35,8 @@ Index: the LRU-K key of a candidate is time-invariant while it is a candidate (a
 takes it out of the candidate set), so candidates sit in a heap by that key; a second heap
 ordered by expiry time (``last_access + T_b``) moves them lazily into a heap of expired ones
 when `victim` is called at a later time. O(log n) per event and per expiry, O(1) amortized
-stale-entry pops per victim.
+stale-entry pops per victim. The manager evicts through `pop_victim`: the victim and its
+``on_evict`` in one call, its heap entry popped at once.
 
 Relation to arXiv 2411.07447 (Kim, Li, Hong and Ailamaki, "Faster LLM Inference using
 DBMS-Inspired Preemption and Cache Replacement Policies"): that paper brings the same database
@@ -295,13 +296,29 @@ class DBMS(Policy):
             self.victim_stats["stale_pops"] += 1
         return None
 
-    def victim(self, now: float) -> int | None:
+    def _top(self, now: float) -> tuple[list[tuple], tuple | None]:
+        """The heap the victim is at the top of (expired candidates first) and its entry."""
         self._expire(now)
         self.victim_stats["victim_calls"] += 1
-        head = self._head(self._expired, True)
+        heap = self._expired
+        head = self._head(heap, True)
         if head is None:
-            head = self._head(self._live, False)
+            heap = self._live
+            head = self._head(heap, False)
+        return heap, head
+
+    def victim(self, now: float) -> int | None:
+        head = self._top(now)[1]
         return None if head is None else head[2]
+
+    def pop_victim(self, now: float) -> int | None:
+        """`victim` and its `on_evict` in one step (the manager's eviction loop)."""
+        heap, head = self._top(now)
+        if head is None:
+            return None
+        heapq.heappop(heap)
+        self._leave(self._states[head[2]])
+        return head[2]
 
     def is_expired(self, block_id: int, now: float) -> bool:
         """Whether a candidate has been idle longer than its break-even interval at ``now``."""
