@@ -404,6 +404,38 @@ def test_a_twenty_line_policy_works_through_the_manager(clock, evict_one_by_one)
     assert evict_one_by_one(m, 4) == [3, 2, 1, 0]
 
 
+class OldestFirst(ScoredPolicy):
+    def score(self, block, now):
+        return block.last_access
+
+
+def test_the_last_offered_candidate_competes_with_the_index_and_leaves_when_hit(
+        clock, evict_one_by_one):
+    """The candidate offered last waits beside the index: it is the victim only when it is
+    the lowest, it joins the index when another is offered, and a hit that takes it out of
+    the candidates drops it."""
+    m = KVCacheManager(BlockPool(16, 4), OldestFirst(), clock=clock)
+    use(m, clock, 0, A[:8], "a")  # blocks 0, 1
+    use(m, clock, 1, B[:8], "b")  # blocks 2, 3
+    use(m, clock, 2, A[:4], "d")  # block 0 used at 2 (still inner)
+    for i in range(6):  # blocks 4..9, newer
+        use(m, clock, 10 + i, [500 + 10 * i + j for j in range(4)], f"x{i}")
+    # 1 goes and exposes 0 (used at 2); 3 (used at 1) goes first and exposes 2 (used at 1),
+    # and 0 joins the index: it goes before the newer blocks
+    assert evict_one_by_one(m, 5) == [1, 3, 2, 0, 4]
+
+    m = KVCacheManager(BlockPool(16, 4), OldestFirst(), clock=clock)
+    clock.set(20)
+    use(m, clock, 20, C, "e")  # blocks 0, 1, 2
+    use(m, clock, 21, D[:8], "f")  # blocks 3, 4
+    assert evict_one_by_one(m, 1) == [2]  # exposes 1
+    clock.set(22)
+    seq = m.begin(Request("g", tokens=C[:8] + [9] * 4))  # a hit on 1: no longer a candidate
+    g2 = seq.cached_blocks[-1].block_id
+    m.finish("g")
+    assert evict_one_by_one(m, 5) == [4, 3, g2, 1, 0]
+
+
 def test_a_subclass_that_redefines_victim_or_on_evict_is_never_bypassed(make_manager, clock):
     """LRU pops its queue in one call (``pop_victim``); an LRU subclass that picks another
     victim, or watches evictions, is asked through its own ``victim`` / ``on_evict``."""

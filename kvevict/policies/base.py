@@ -144,7 +144,11 @@ class ScoredPolicy(Policy):
 
     When the score does not depend on ``now`` (the default, ``time_dependent = False``) it is
     computed once when the block becomes a candidate and kept in an ordered index
-    (`sortedcontainers.SortedList`): each event costs O(log n). A subclass whose score changes
+    (`sortedcontainers.SortedList`): each event costs O(log n). The candidate offered last is
+    held beside the index until the next one is offered, and is the victim when it is below
+    the index's first: an eviction exposes its victim's parent, which is often the next
+    victim (a chain's tail goes block by block: 92% of LFU's victims on the bundled trace),
+    and then costs no index insertion or removal. A subclass whose score changes
     with time while the block waits sets ``time_dependent = True``; ``victim`` then rescans
     every candidate (O(n)), which is fine for experiments and what a dedicated index (see the
     market policy) avoids.
@@ -160,7 +164,8 @@ class ScoredPolicy(Policy):
 
     def __init__(self) -> None:
         self._order = SortedList()  # (score, last access tick, block id), lowest first
-        self._keys: dict[int, tuple[Any, int, int]] = {}
+        self._held: tuple[Any, int, int] | None = None  # the last offered, beside the index
+        self._keys: dict[int, tuple[Any, int, int]] = {}  # every indexed or held key
         self._blocks: dict[int, BlockInfo] = {}
 
     @abc.abstractmethod
@@ -173,7 +178,10 @@ class ScoredPolicy(Policy):
             self._blocks[block_id] = block
             return
         key = (self.score(block, now), block.last_access_tick, block_id)
-        self._order.add(key)
+        held = self._held
+        if held is not None:
+            self._order.add(held)
+        self._held = key
         self._keys[block_id] = key
 
     def on_uncandidate(self, block: BlockInfo, now: float) -> None:
@@ -187,7 +195,9 @@ class ScoredPolicy(Policy):
             self._blocks.pop(block_id, None)
             return
         key = self._keys.pop(block_id, None)
-        if key is not None:
+        if key is self._held:
+            self._held = None
+        elif key is not None:
             self._order.remove(key)
 
     def pop_victim(self, now: float) -> int | None:
@@ -196,10 +206,13 @@ class ScoredPolicy(Policy):
             if chosen is not None:
                 del self._blocks[chosen]
             return chosen
-        order = self._order
-        if not order:
+        order, key = self._order, self._held
+        if key is not None and (not order or key < order[0]):
+            self._held = None
+        elif order:
+            key = order.pop(0)
+        else:
             return None
-        key = order.pop(0)
         del self._keys[key[2]]
         return key[2]
 
@@ -213,7 +226,9 @@ class ScoredPolicy(Policy):
                 key=lambda b: (score(b, now), b.last_access_tick, b.block_id),
             )
             return best.block_id
-        order = self._order
+        order, held = self._order, self._held
+        if held is not None and (not order or held < order[0]):
+            return held[2]
         return order[0][2] if order else None
 
     def __len__(self) -> int:
