@@ -16,6 +16,7 @@ from kvevict.errors import ConfigError, OutOfBlocks
 from kvevict.hashing import block_hashes
 from kvevict.manager import KVCacheManager
 from kvevict.policies import ARC, GDSF, S3FIFO, SLRU, Policy, TwoQ, make_policy
+from kvevict.policies.classic.base import KeyedHeap
 from kvevict.pool import BlockPool
 from kvevict.replay import open_trace, replay_table
 from kvevict.types import ManualClock, Request
@@ -743,6 +744,49 @@ def test_the_same_victims_as_the_slow_reference(fast, slow):
         assert len(reference) > 30, seed  # the traffic does evict
         assert ours == reference, f"seed {seed}: first difference at eviction " \
             f"{next(i for i, (a, b) in enumerate(zip(ours, reference)) if a != b)}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_keyed_heap_pops_the_smallest_live_key_under_random_operations(seed):
+    """Adds (new ids and re-keyed ones), discards, peeks and pops against a plain dict's
+    minimum, smallest (key, id) first; long enough that stale entries force rebuilds."""
+    rng = random.Random(seed)
+    heap, live = KeyedHeap(), {}
+    for step in range(30_000):
+        op = rng.random()
+        if op < 0.45:
+            block_id = rng.randrange(60)
+            key = rng.randrange(40)
+            heap.add(block_id, key)
+            live[block_id] = key
+        elif op < 0.75 and live:
+            block_id = rng.choice(list(live)) if rng.random() < 0.8 else rng.randrange(60)
+            assert heap.discard(block_id) == (block_id in live)
+            live.pop(block_id, None)
+        else:
+            expected = min(live, key=lambda b: (live[b], b)) if live else None
+            if op < 0.85:
+                assert heap.peek() == expected, step
+            else:
+                assert heap.pop() == expected, step
+                live.pop(expected, None)
+        assert len(heap) == len(live)
+        if step % 997 == 0:
+            assert all(heap.key(b) == k and b in heap for b, k in live.items())
+    # stale entries below a live top outnumber the live ones: the heap is rebuilt
+    for block_id in range(1000, 1005):
+        heap.add(block_id, -1)
+        live[block_id] = -1
+    for _ in range(5000):
+        block_id, key = rng.randrange(60), rng.randrange(40)
+        heap.add(block_id, key)
+        live[block_id] = key
+        assert heap.peek() == min(live, key=lambda b: (live[b], b))
+    while live:
+        expected = min(live, key=lambda b: (live[b], b))
+        assert heap.pop() == expected
+        del live[expected]
+    assert heap.pop() is None and heap.peek() is None and len(heap) == 0
 
 
 @pytest.mark.parametrize("cls", [S3FIFO, ARC, SLRU, TwoQ, GDSF])

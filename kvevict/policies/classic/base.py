@@ -15,7 +15,9 @@ largest number of blocks cached so far, the cache the policy has actually seen).
 **The candidate heap.** `KeyedHeap` holds the candidates of one queue by a key (an insertion
 number for a FIFO, the manager's access tick for an LRU list): ``add`` and ``discard`` are
 O(log n) and O(1), ``peek`` and ``pop`` amortized O(log n) (stale entries are dropped when they
-surface, and the heap is rebuilt when they outnumber the live ones).
+surface, and the heap is rebuilt when they outnumber the live ones). The entry added last
+waits beside the heap and is taken first when it is the smallest: the parent an eviction
+exposes is often the next victim, and then costs no heap work.
 
 **Two lists.** ARC, SLRU and 2Q keep every resident block in one of two lists (ARC's ``T1``
 and ``T2``, SLRU's probationary and protected segments, 2Q's ``A1in`` and ``Am``) and evict
@@ -68,43 +70,68 @@ class KeyedHeap:
     """Candidates by key, smallest first: a binary heap with lazy deletion.
 
     A block id has at most one live key; ``add`` of an id already present replaces its key.
+    The entry added last waits beside the heap until the next ``add`` (a chain's tail goes
+    block by block, each eviction exposing the next victim), and is taken first when its key
+    is the smallest: those evictions cost no heap push or pop.
     """
 
-    __slots__ = ("_heap", "_keys")
+    __slots__ = ("_heap", "_held", "_keys")
 
     def __init__(self) -> None:
         self._heap: list[tuple[Any, int]] = []
+        self._held: tuple[Any, int] | None = None  # (key, block id) added last
         self._keys: dict[int, Any] = {}
 
     def add(self, block_id: int, key: Any) -> None:
         """Index ``block_id`` under ``key``."""
-        self._keys[block_id] = key
+        keys = self._keys
+        keys[block_id] = key
+        held = self._held
+        self._held = (key, block_id)
+        if held is None or keys.get(held[1]) != held[0]:
+            return  # nothing held, or a stale entry: dropped
         heap = self._heap
-        heapq.heappush(heap, (key, block_id))
-        if len(heap) > 2 * len(self._keys) + 1024:  # mostly stale: rebuild, amortized O(1)
-            self._heap = [(k, b) for b, k in self._keys.items()]
+        heapq.heappush(heap, held)
+        if len(heap) > 2 * len(keys) + 1024:  # mostly stale: rebuild, amortized O(1)
+            self._heap = [(k, b) for b, k in keys.items() if b != block_id]
             heapq.heapify(self._heap)
 
     def discard(self, block_id: int) -> bool:
         """Drop ``block_id``; whether it was indexed."""
         return self._keys.pop(block_id, None) is not None
 
-    def peek(self) -> int | None:
-        """The block id with the smallest key, or None when empty."""
+    def _first(self) -> tuple[Any, int] | None:
+        """The entry with the smallest live key, the held one or the heap's top."""
         heap, keys = self._heap, self._keys
         while heap:
             key, block_id = heap[0]
             if keys.get(block_id) == key:
-                return block_id
+                break
             heapq.heappop(heap)  # discarded or re-keyed since it was pushed
-        return None
+        held = self._held
+        if held is not None:
+            if keys.get(held[1]) != held[0]:
+                self._held = held = None  # discarded or re-keyed since it was added
+            elif not heap or held < heap[0]:
+                return held
+        return heap[0] if heap else None
+
+    def peek(self) -> int | None:
+        """The block id with the smallest key, or None when empty."""
+        first = self._first()
+        return None if first is None else first[1]
 
     def pop(self) -> int | None:
         """Remove and return the block id with the smallest key (None when empty)."""
-        block_id = self.peek()
-        if block_id is not None:
+        first = self._first()
+        if first is None:
+            return None
+        if first is self._held:
+            self._held = None
+        else:
             heapq.heappop(self._heap)
-            del self._keys[block_id]
+        block_id = first[1]
+        del self._keys[block_id]
         return block_id
 
     def key(self, block_id: int) -> Any:
