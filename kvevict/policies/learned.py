@@ -591,7 +591,7 @@ class LearnedReuse(Policy):
         self._heap: list[tuple[float, int, int]] = []  # (key, tick, block id)
         #: the heap entry of the candidate an eviction exposed last, held beside the heap
         #: (usually the next victim: a chain's tail goes block by block)
-        self._next: tuple[float, int, int] | None = None
+        self._held: tuple[float, int, int] | None = None
         self._keys: dict[int, tuple[float, int, int]] = {}  # live candidates' heap entries
         self._pending: dict[int, BlockInfo] = {}  # candidates not priced yet
         self._t0 = 0.0  # the time origin of the heap's keys
@@ -764,7 +764,7 @@ class LearnedReuse(Policy):
         self._exposed.clear()
         self._odds.clear()
         self._timers = []
-        self._next = None
+        self._held = None
         keys = self._keys
         keys.clear()
         heap = []
@@ -847,10 +847,10 @@ class LearnedReuse(Policy):
             self._pending[block_id] = block
         else:  # exposed by an eviction: its features are those of its last release
             key = self._keys[block_id] = self._key(block, cell, now)
-            held = self._next
+            held = self._held
             if held is not None and self._keys.get(held[2]) is held:
                 heapq.heappush(self._heap, held)  # the one exposed before it
-            self._next = key
+            self._held = key
             self._exposed.append(block)
             self._exposed_at = self.table.observations
 
@@ -892,10 +892,10 @@ class LearnedReuse(Policy):
         heap, keys = self._heap, self._keys
         while heap and keys.get(heap[0][2]) is not heap[0]:
             heapq.heappop(heap)  # a stale entry (repriced, evicted or no longer a candidate)
-        held = self._next
+        held = self._held
         if held is not None:
             if keys.get(held[2]) is not held:  # stale, as above
-                self._next = held = None
+                self._held = held = None
             elif not heap or held < heap[0]:
                 return held
         return heap[0] if heap else None
@@ -908,8 +908,8 @@ class LearnedReuse(Policy):
         top = self._top(now)
         if top is None:
             return None
-        if top is self._next:
-            self._next = None
+        if top is self._held:
+            self._held = None
         else:
             heapq.heappop(self._heap)
         block_id = top[2]
