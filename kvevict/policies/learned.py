@@ -588,16 +588,18 @@ class LearnedReuse(Policy):
         self._state: dict[int, tuple[Any, ...]] = {}
         #: request id -> ((conversation key, turn), blocks known at its begin), begin to finish
         self._running: dict[Any, tuple[tuple[Any, int], int]] = {}
-        self._heap: list[tuple[float, int, int]] = []  # (key, tick, block id)
+        #: (key, tick, block id, block): a candidate's entry carries its record
+        self._heap: list[tuple[float, int, int, BlockInfo]] = []
         #: the heap entry of the candidate an eviction exposed last, held beside the heap
         #: (usually the next victim: a chain's tail goes block by block)
-        self._held: tuple[float, int, int] | None = None
-        self._keys: dict[int, tuple[float, int, int]] = {}  # live candidates' heap entries
-        self._pending: dict[int, BlockInfo] = {}  # candidates not priced yet
+        self._held: tuple[float, int, int, BlockInfo] | None = None
+        #: priced candidates' live heap entries, and the candidates not priced yet: together
+        #: every candidate
+        self._keys: dict[int, tuple[float, int, int, BlockInfo]] = {}
+        self._pending: dict[int, BlockInfo] = {}
         self._t0 = 0.0  # the time origin of the heap's keys
         self._key_horizon = INITIAL_HORIZON_S  # H the heap's keys use
         self._since_rebuild = 0  # evictions since the heap was last rebuilt
-        self._blocks: dict[int, BlockInfo] = {}  # every candidate, priced or not
         self._sampled = 0  # block uses since the last one that opened a trial
         self._log_p: dict[tuple[Any, ...], float] = {}  # cell -> log p, for one table version
         self._log_p_version = -1
@@ -607,7 +609,7 @@ class LearnedReuse(Policy):
         #: weight when computed)
         self._odds: dict[Any, tuple[list[float], int, float]] = {}
         #: empirical gaps: (time the idle bin of a key ends, block id, that key)
-        self._timers: list[tuple[float, int, tuple[float, int, int]]] = []
+        self._timers: list[tuple[float, int, tuple[float, int, int, BlockInfo]]] = []
 
     @property
     def horizon(self) -> float:
@@ -695,11 +697,12 @@ class LearnedReuse(Policy):
         return odds
 
     def _key(self, block: BlockInfo, cell: tuple[Any, ...], now: float
-             ) -> tuple[float, int, int]:
+             ) -> tuple[float, int, int, BlockInfo]:
         """The heap entry of ``block`` in ``cell`` at ``now``: (log price up to a shared term,
-        tick, block id). Exponential gaps: the log odds of a cell are kept until the table
-        observes anything. Empirical gaps: the log odds at the bin of the idle time, and a
-        timer at the end of that bin."""
+        tick, block id, the block; ids are unique, so the block is never compared).
+        Exponential gaps: the log odds of a cell are kept until the table observes anything.
+        Empirical gaps: the log odds at the bin of the idle time, and a timer at the end of
+        that bin."""
         if self._empirical:
             last = block.last_access
             idle = now - last
@@ -707,7 +710,7 @@ class LearnedReuse(Policy):
             while k < NUM_GAP_BINS - 1 and last + GAP_EDGES[k + 1] <= now:
                 k += 1  # an idle time at a bin's edge, rounded below it
             key = (self._log_odds(cell, now)[k] + self.costs.of(block)[0],  # type: ignore[union-attr]
-                   block.last_access_tick, block.block_id)
+                   block.last_access_tick, block.block_id, block)
             if k < NUM_GAP_BINS - 1:
                 heapq.heappush(self._timers, (last + GAP_EDGES[k + 1], block.block_id, key))
             return key
@@ -721,7 +724,7 @@ class LearnedReuse(Policy):
             lp = log_p[cell] = math.log(table.p(cell))  # type: ignore[union-attr]
         return (lp + self.costs.of(block)[0]  # type: ignore[union-attr]
                 + (block.last_access - self._t0) / self._key_horizon,
-                block.last_access_tick, block.block_id)
+                block.last_access_tick, block.block_id, block)
 
     def _price_pending(self, now: float) -> None:
         """Price the candidates that are waiting for it."""
@@ -745,13 +748,13 @@ class LearnedReuse(Policy):
 
     def _rekey_due(self, now: float) -> None:
         """Empirical gaps: price again every candidate whose idle time left its bin."""
-        timers, keys, blocks, heap = self._timers, self._keys, self._blocks, self._heap
+        timers, keys, heap = self._timers, self._keys, self._heap
         key, state, cell = self._key, self._state, self.cell
         pop, push = heapq.heappop, heapq.heappush
         while timers and timers[0][0] <= now:
             _, block_id, old = pop(timers)
             if keys.get(block_id) is old:
-                block = blocks[block_id]
+                block = old[3]
                 c = state.get(block_id)
                 k = keys[block_id] = key(block, c if c is not None else cell(block), now)
                 push(heap, k)
@@ -760,16 +763,18 @@ class LearnedReuse(Policy):
         """Reprice every candidate with the current estimates and horizon."""
         self._t0 = now
         self._key_horizon = self.horizon
-        self._pending.clear()
+        keys, pending = self._keys, self._pending
+        blocks = [entry[3] for entry in keys.values()]
+        blocks += pending.values()
+        pending.clear()
         self._exposed.clear()
         self._odds.clear()
         self._timers = []
         self._held = None
-        keys = self._keys
         keys.clear()
         heap = []
         key, cell, state = self._key, self.cell, self._state
-        for block in self._blocks.values():
+        for block in blocks:
             block_id = block.block_id
             c = state.get(block_id)
             k = keys[block_id] = key(block, c if c is not None else cell(block), now)
@@ -840,7 +845,6 @@ class LearnedReuse(Policy):
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
         block_id = block.block_id
-        self._blocks[block_id] = block
         cell = self._state.get(block_id)
         if cell is None or block.last_access >= now:
             # released now (its request's on_finish gives its features), or never released
@@ -856,15 +860,13 @@ class LearnedReuse(Policy):
 
     def on_uncandidate(self, block: BlockInfo, now: float) -> None:
         block_id = block.block_id
-        del self._blocks[block_id]
         if self._pending.pop(block_id, None) is None:
             del self._keys[block_id]
 
     def on_evict(self, block: BlockInfo, now: float) -> None:
         block_id = block.block_id
-        if self._blocks.pop(block_id, None) is not None:
-            if self._pending.pop(block_id, None) is None:
-                self._keys.pop(block_id, None)
+        if self._pending.pop(block_id, None) is None:
+            self._keys.pop(block_id, None)
         self._evicted_block(block, now)
 
     def _evicted_block(self, block: BlockInfo, now: float) -> None:
@@ -876,8 +878,8 @@ class LearnedReuse(Policy):
         self._idles.append(now - block.last_access)
         self._since_rebuild += 1
 
-    def _top(self, now: float) -> tuple[float, int, int] | None:
-        if self._since_rebuild >= REPRICE_EVERY * len(self._blocks):
+    def _top(self, now: float) -> tuple[float, int, int, BlockInfo] | None:
+        if self._since_rebuild >= REPRICE_EVERY * (len(self._keys) + len(self._pending)):
             self._rebuild(now)
         else:
             if self._pending:
@@ -914,7 +916,7 @@ class LearnedReuse(Policy):
             heapq.heappop(self._heap)
         block_id = top[2]
         del self._keys[block_id]
-        self._evicted_block(self._blocks.pop(block_id), now)
+        self._evicted_block(top[3], now)
         return block_id
 
     def __repr__(self) -> str:
