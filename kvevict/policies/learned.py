@@ -892,14 +892,16 @@ class LearnedReuse(Policy):
             if self._timers:
                 self._rekey_due(now)
         heap, keys = self._heap, self._keys
-        while heap and keys.get(heap[0][2]) is not heap[0]:
-            heapq.heappop(heap)  # a stale entry (repriced, evicted or no longer a candidate)
         held = self._held
         if held is not None:
-            if keys.get(held[2]) is not held:  # stale, as above
+            if keys.get(held[2]) is not held:  # stale (repriced, evicted, no longer offered)
                 self._held = held = None
             elif not heap or held < heap[0]:
-                return held
+                return held  # below the heap's first entry, stale or not: below them all
+        while heap and keys.get(heap[0][2]) is not heap[0]:
+            heapq.heappop(heap)  # a stale entry, as above
+        if held is not None and (not heap or held < heap[0]):
+            return held
         return heap[0] if heap else None
 
     def victim(self, now: float) -> int | None:

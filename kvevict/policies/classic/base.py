@@ -103,17 +103,19 @@ class KeyedHeap:
     def _first(self) -> tuple[Any, int] | None:
         """The entry with the smallest live key, the held one or the heap's top."""
         heap, keys = self._heap, self._keys
-        while heap:
-            key, block_id = heap[0]
-            if keys.get(block_id) == key:
-                break
-            heapq.heappop(heap)  # discarded or re-keyed since it was pushed
         held = self._held
         if held is not None:
             if keys.get(held[1]) != held[0]:
                 self._held = held = None  # discarded or re-keyed since it was added
             elif not heap or held < heap[0]:
-                return held
+                return held  # below the heap's first entry, stale or not: below them all
+        while heap:
+            key, block_id = heap[0]
+            if keys.get(block_id) == key:
+                break
+            heapq.heappop(heap)  # discarded or re-keyed since it was pushed
+        if held is not None and (not heap or held < heap[0]):
+            return held
         return heap[0] if heap else None
 
     def peek(self) -> int | None:
