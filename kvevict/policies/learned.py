@@ -699,7 +699,8 @@ class LearnedReuse(Policy):
     def _key(self, block: BlockInfo, cell: tuple[Any, ...], now: float
              ) -> tuple[float, int, int, BlockInfo]:
         """The heap entry of ``block`` in ``cell`` at ``now``: (log price up to a shared term,
-        tick, block id, the block; ids are unique, so the block is never compared).
+        tick, block id, the block; ticks order accesses strictly, so two entries equal up to
+        the id hold the same record, and no comparison orders two records).
         Exponential gaps: the log odds of a cell are kept until the table observes anything.
         Empirical gaps: the log odds at the bin of the idle time, and a timer at the end of
         that bin."""
