@@ -430,6 +430,33 @@ def test_a_sparse_cell_backs_off_to_the_pooled_gaps() -> None:
     assert table.hazards("b")[5] == pytest.approx(8 * pooled_at_1s / (1 + 8))
 
 
+@pytest.mark.parametrize("table", [ReuseTable(8.0, 1000.0), GapTable(8.0, 1000.0)],
+                         ids=["reuse", "gaps"])
+def test_a_trial_book_holds_its_open_trials_not_its_history(table) -> None:
+    """Releases whose trials all end in a reuse leave nothing behind: neither their place in
+    the expiry order (kept a day with empirical gaps) nor, in `GapTable`, a run in a cell
+    that is never read. 20,000 more such releases in one cell may not add 200 KB; keeping
+    either would add about 2.5 MB."""
+    import gc
+    import tracemalloc
+
+    def peak(start, stop):
+        gc.collect()
+        tracemalloc.start()
+        try:
+            for i in range(start, stop):
+                table.open_all([(i % 50, "never read")], float(i))
+                table.reuse_all([i % 50], i + 0.5, horizon=86_400.0)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    peak(0, 2_000)  # the table's own structures reach their size
+    short, long = peak(2_000, 4_000), peak(4_000, 24_000)
+    assert long - short < 200_000, (short, long)
+    assert not table.trials  # every trial ended in its reuse
+
+
 def test_empirical_cold_start_is_lru() -> None:
     m, clock = manager(4, LearnedReuse(FLAT, gaps="empirical"))
     for i, t in enumerate((0, 1, 2, 3)):

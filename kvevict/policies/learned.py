@@ -207,7 +207,15 @@ class TrialBook(abc.ABC):
         for block_hash, cell in trials:
             table[block_hash] = (now, cell)
             hashes.append(block_hash)
-        self._order.append((now, hashes))
+        order = self._order
+        order.append((now, hashes))
+        if len(order) > 2 * len(table) + 1024:
+            # mostly releases whose trials all ended in a reuse: they would wait for the
+            # limit (a day of releases with empirical gaps) with nothing left to expire
+            self._order = deque(
+                (t0, live) for t0, live in
+                ((t0, [h for h in hs if table.get(h, (None,))[0] == t0]) for t0, hs in order)
+                if live)
 
     def reuse(self, block_hash: Any, now: float, horizon: float = math.inf) -> None:
         """``block_hash`` is used again at ``now`` (a hit, or a miss that caches it again)."""
@@ -397,8 +405,10 @@ class GapTable(TrialBook):
         self.cell_observations: dict[Any, int] = {}
         #: cell -> the runs of trials opened in it, oldest first: one per release, as
         #: [release time, the cell's observations then, how many are still open] (a run
-        #: none of whose trials is open is dropped when the cell is next read)
+        #: none of whose trials is open is dropped when the cell is next read, or when the
+        #: runs outnumber twice the open trials: a cell never read keeps none for long)
         self._open: dict[Any, deque[list[Any]]] = {}
+        self._runs = 0  # runs in ``_open``, at most (reads drop some without counting)
         #: block hash -> the run its open trial counts in
         self._run_of: dict[Any, list[Any]] = {}
 
@@ -419,8 +429,13 @@ class GapTable(TrialBook):
                 if q is None:
                     q = by_cell[cell] = deque()
                 q.append(run)
+                self._runs += 1
             run[2] += 1
             run_of[block_hash] = run
+        if self._runs > 2 * len(run_of) + 1024:  # mostly closed runs: drop them, amortized
+            for cell, q in by_cell.items():
+                by_cell[cell] = deque(run for run in q if run[2] > 0)
+            self._runs = sum(len(q) for q in by_cell.values())
 
     def _close(self, block_hash: Any) -> None:
         """The trial of ``block_hash`` ended: it no longer counts in its run."""
@@ -760,6 +775,20 @@ class LearnedReuse(Policy):
                 k = keys[block_id] = key(block, c if c is not None else cell(block), now)
                 push(heap, k)
 
+    def _compact(self) -> None:
+        """Drop the stale entries of the heap and of the timers. Evictions rebuild the heap,
+        but a cache that seldom evicts would keep a stale entry for every hit on a released
+        block; `on_finish` compacts once they outnumber the live ones twice over (amortized
+        O(1) per entry), so the policy's memory follows its candidates, not its traffic."""
+        keys = self._keys
+        heap = [entry for entry in self._heap if keys.get(entry[2]) is entry]
+        heapq.heapify(heap)
+        self._heap = heap
+        if self._timers:
+            timers = [timer for timer in self._timers if keys.get(timer[1]) is timer[2]]
+            heapq.heapify(timers)
+            self._timers = timers
+
     def _rebuild(self, now: float) -> None:
         """Reprice every candidate with the current estimates and horizon."""
         self._t0 = now
@@ -843,6 +872,9 @@ class LearnedReuse(Policy):
                 block = pending.pop(block_id)
                 k = keys[block_id] = key(block, filed[block_id], now)
                 heapq.heappush(heap, k)
+            bound = 2 * len(keys) + 1024
+            if len(heap) > bound or len(self._timers) > bound:
+                self._compact()
 
     def on_candidate(self, block: BlockInfo, now: float) -> None:
         block_id = block.block_id
