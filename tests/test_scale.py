@@ -556,19 +556,22 @@ def test_the_infinite_replay_cell_is_the_replay_of_a_pool_holding_every_block():
 
 
 def _hits_only(policy, rounds):
-    """Twenty prompts of two blocks, each sent ``rounds`` times through a pool that holds
-    them all: after the first round every prompt block is a hit, and nothing is evicted."""
+    """Twenty prompts of a shared system block and two blocks of their own, each sent
+    ``rounds`` times by sessions taken in turn from 50 (so the system block is widely
+    shared) through a pool that holds them all: after the first round every prompt block is
+    a hit, and nothing is evicted."""
     from kvevict import BlockPool, KVCacheManager, ManualClock
 
     clock = ManualClock()
     manager = KVCacheManager(BlockPool(200, 16), policy, clock=clock)
-    prompts = [list(range(i * 1000, i * 1000 + 32)) + [7] for i in range(20)]
+    system = list(range(100_000, 100_016))
+    prompts = [system + list(range(i * 1000, i * 1000 + 32)) + [7] for i in range(20)]
     t = 0
     for r in range(rounds):
         for i, tokens in enumerate(prompts):
             t += 1
             clock.set(float(t))
-            manager.begin(Request((r, i), tokens=tokens, session_id=i))
+            manager.begin(Request((r, i), tokens=tokens, session_id=t % 50))
             manager.finish((r, i))
     assert manager.stats.evictions == 0
 
@@ -584,11 +587,12 @@ def test_a_policys_memory_follows_its_blocks_not_its_hits(policy):
     """A cache that never evicts still sees every hit and every release. 350 more rounds of
     the same 20 prompts (7,000 more requests, 14,000 more block hits) must not grow what
     the policy holds. A lazily deleted index that kept one stale entry per hit on a
-    released candidate (as `learned` did, with no eviction to rebuild it; and, with
-    empirical gaps, a day of releases and of its cells' trial runs) holds about 0.9 MB more
-    here, 2.5 MB with empirical gaps. The bound is 400 KB: a policy's own compaction
-    (stale entries kept below twice the live ones plus 1,024) stays under it, and the
-    largest growth measured, the market's, levels off at 140 KB."""
+    released candidate (as `learned` and `pinned`'s heap of protected blocks did, with no
+    eviction to clean it; and `learned` with empirical gaps also a day of releases and its
+    cells' trial runs) holds about 0.9 MB more here, 2.9 MB with empirical gaps. The bound
+    is 400 KB: a policy's own compaction (stale entries kept below twice the live ones plus
+    1,024) stays under it, and the largest growth measured, the market's, levels off at
+    140 KB."""
     from kvevict.policies.learned import LearnedReuse
 
     def make():

@@ -92,9 +92,16 @@ class RefcountPinned(Policy):
         until = self.protected_until(block)
         if until > now:
             key = (until, block.last_access_tick, block.block_id)
-            self._protected[block.block_id] = key
+            protected = self._protected
+            protected[block.block_id] = key
             self._blocks[block.block_id] = block
-            heapq.heappush(self._heap, key)
+            heap = self._heap
+            heapq.heappush(heap, key)
+            if len(heap) > 2 * len(protected) + 1024:
+                # mostly entries of blocks hit since (a cache that seldom evicts never
+                # cleans them in `victim`): keep the live ones, amortized O(1) per push
+                heap = self._heap = [k for k in heap if protected.get(k[2]) is k]
+                heapq.heapify(heap)
         else:
             self.inner.on_candidate(block, now)
 
