@@ -61,8 +61,15 @@ class LRU(ScoredPolicy):
             queue[block.block_id] = tick
             queue.move_to_end(block.block_id, last=False)
         else:
-            self._late_ticks[block.block_id] = tick
-            heapq.heappush(self._late, (tick, block.block_id))
+            live = self._late_ticks
+            live[block.block_id] = tick
+            late = self._late
+            heapq.heappush(late, (tick, block.block_id))
+            if len(late) > 2 * len(live) + 1024:
+                # mostly entries of blocks hit or pinned since: a cache that seldom evicts
+                # never cleans them in `victim`, so keep the live ones (amortized O(1))
+                late = self._late = [(t, b) for b, t in live.items()]
+                heapq.heapify(late)
 
     def on_evict(self, block: BlockInfo, now: float) -> None:
         if self._queue.pop(block.block_id, None) is None:
