@@ -12,13 +12,13 @@ explicit; cf. prompt-cache pinning in Anthropic's and OpenAI's APIs.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from kvevict.errors import ConfigError
 from kvevict.policies.base import Policy, make_policy, register_policy
+from kvevict.policies.classic.base import KeyedHeap
 from kvevict.types import BlockInfo, Request
 
 __all__ = ["RefcountPinned"]
@@ -46,9 +46,9 @@ class RefcountPinned(Policy):
         self.inner = make_policy(inner, **(inner_params or {}))
         self.min_sharers = min_sharers
         self.window = float(window)
-        self._protected: dict[int, tuple[float, int, int]] = {}
+        #: protected candidates by (protection end, access tick), and their records
+        self._protected = KeyedHeap()
         self._blocks: dict[int, BlockInfo] = {}
-        self._heap: list[tuple[float, int, int]] = []
 
     def protected_until(self, block: BlockInfo) -> float:
         """Clock time until which ``block`` is protected (-inf if it is not)."""
@@ -91,22 +91,13 @@ class RefcountPinned(Policy):
     def on_candidate(self, block: BlockInfo, now: float) -> None:
         until = self.protected_until(block)
         if until > now:
-            key = (until, block.last_access_tick, block.block_id)
-            protected = self._protected
-            protected[block.block_id] = key
+            self._protected.add(block.block_id, (until, block.last_access_tick))
             self._blocks[block.block_id] = block
-            heap = self._heap
-            heapq.heappush(heap, key)
-            if len(heap) > 2 * len(protected) + 1024:
-                # mostly entries of blocks hit since (a cache that seldom evicts never
-                # cleans them in `victim`): keep the live ones, amortized O(1) per push
-                heap = self._heap = [k for k in heap if protected.get(k[2]) is k]
-                heapq.heapify(heap)
         else:
             self.inner.on_candidate(block, now)
 
     def _leave(self, block: BlockInfo, now: float, evicted: bool) -> None:
-        if self._protected.pop(block.block_id, None) is not None:
+        if self._protected.discard(block.block_id):
             del self._blocks[block.block_id]
         elif evicted:
             self.inner.on_evict(block, now)
@@ -119,26 +110,17 @@ class RefcountPinned(Policy):
     def on_evict(self, block: BlockInfo, now: float) -> None:
         self._leave(block, now, evicted=True)
 
-    def _head(self) -> tuple[float, int, int] | None:
-        heap = self._heap
-        while heap:
-            key = heap[0]
-            if self._protected.get(key[2]) is key:
-                return key
-            heapq.heappop(heap)
-        return None
-
     def victim(self, now: float) -> int | None:
-        # hand back candidates whose protection lapsed
-        while (key := self._head()) is not None and key[0] <= now:
-            heapq.heappop(self._heap)
-            del self._protected[key[2]]
-            self.inner.on_candidate(self._blocks.pop(key[2]), now)
+        # hand back candidates whose protection lapsed (the index drops stale entries, and
+        # compacts itself when they pile up in a cache that seldom evicts)
+        protected = self._protected
+        while (first := protected.peek()) is not None and protected.key(first)[0] <= now:
+            protected.pop()
+            self.inner.on_candidate(self._blocks.pop(first), now)
         chosen = self.inner.victim(now)
         if chosen is not None:
             return chosen
-        key = self._head()
-        return None if key is None else key[2]
+        return protected.peek()
 
     @property
     def num_protected(self) -> int:
