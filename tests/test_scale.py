@@ -593,10 +593,10 @@ def test_a_policys_memory_follows_its_blocks_not_its_hits(policy):
     released candidate or per pin (as `learned`, `pinned`'s heap of protected blocks and
     LRU's heap of blocks offered late did, with no eviction to clean them; and `learned`
     with empirical gaps also a day of releases and its cells' trial runs) holds about 0.9 MB
-    more here, 2.9 MB with empirical gaps. The bound
-    is 400 KB: a policy's own compaction (stale entries kept below twice the live ones plus
-    1,024) stays under it; the largest growths measured were `learned`'s with empirical
-    gaps (116 KB, its compactions' sawtooth) and the market's (89 KB, which levels off)."""
+    more here, 2.9 MB with empirical gaps. The bound is 400 KB: a policy's own compaction
+    (stale entries kept below twice the live ones plus 1,024) stays under it; the largest
+    growths measured were `learned`'s with empirical gaps (94 KB, its compactions'
+    sawtooth) and the market's (89 KB, which levels off)."""
     from kvevict.policies.learned import LearnedReuse
 
     def make():

@@ -212,10 +212,12 @@ class TrialBook(abc.ABC):
         if len(order) > 2 * len(table) + 1024:
             # mostly releases whose trials all ended in a reuse: they would wait for the
             # limit (a day of releases with empirical gaps) with nothing left to expire
-            self._order = deque(
-                (t0, live) for t0, live in
-                ((t0, [h for h in hs if table.get(h, (None,))[0] == t0]) for t0, hs in order)
-                if live)
+            kept: deque[tuple[float, list[Any]]] = deque()
+            for t0, released in order:
+                still_open = [h for h in released if table.get(h, (None,))[0] == t0]
+                if still_open:
+                    kept.append((t0, still_open))
+            self._order = kept
 
     def reuse(self, block_hash: Any, now: float, horizon: float = math.inf) -> None:
         """``block_hash`` is used again at ``now`` (a hit, or a miss that caches it again)."""
