@@ -200,6 +200,45 @@ def test_the_next_turn_of_a_session_commits_its_open_cache(model):
     store.manager.check()
 
 
+class RecordTurns(ScoredPolicy):
+    """LRU that records each request's (session, turn), as the policy receives it."""
+
+    def __init__(self):
+        super().__init__()
+        self.turns: list[tuple[str, int]] = []
+
+    def on_begin(self, request, hits, new, now):
+        self.turns.append((request.session_id, request.turn))
+
+    def score(self, block, now):
+        return block.last_access_tick
+
+
+def test_ending_a_session_commits_its_turn_and_forgets_it_but_not_its_blocks(model):
+    policy = RecordTurns()
+    store = SessionStore(model, num_blocks=64, block_size=4, policy=policy)
+    conversation = tokens(9, seed=1)
+    with store.cache_for("ann", conversation) as cache:
+        out = model.generate(conversation, cache=cache, max_new_tokens=4, do_sample=False)
+    follow_up = torch.cat([out, tokens(2, seed=3)], dim=1)
+    open_turn = store.cache_for("ann", follow_up)
+    store.cache_for("bob", conversation).close()
+    assert store.sessions == ["ann", "bob"]
+    assert store.end("ann") == 2  # two turns, the second still open: committed
+    with pytest.raises(ConfigError, match="closed"):
+        model.generate(follow_up, cache=open_turn, max_new_tokens=1)
+    assert store.sessions == ["bob"] and store.manager.sequences == {}
+    again = store.cache_for("ann", follow_up)  # a new conversation over cached blocks
+    assert again.reused_tokens == 12
+    again.close()
+    assert policy.turns == [("ann", 0), ("ann", 1), ("bob", 0), ("ann", 0)]
+    for i in range(300):  # a long-lived server: the store's state follows the open sessions
+        store.cache_for(i, conversation).close()
+        store.end(i)
+    assert store.sessions == ["bob", "ann"]
+    store.manager.check()
+
+
 # -- bad input ------------------------------------------------------------------------------
 
 
@@ -226,6 +265,11 @@ def test_bad_input_to_a_session_store(model):
     with pytest.raises(ConfigError, match="belongs to a SessionStore"):
         PagedCache(model, pool=store.pool)
     cache.close()
+    with pytest.raises(ConfigError, match=r"end\('cy'\): no such session"):
+        store.end("cy")
+    assert store.end("ann") == 1
+    with pytest.raises(ConfigError, match=r"end\('ann'\): no such session.*already ended"):
+        store.end("ann")
     store.manager.check()
 
 

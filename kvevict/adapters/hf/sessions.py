@@ -37,6 +37,7 @@ checksum (torn, truncated, a flipped byte) is a miss, logged and recomputed, nev
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -248,12 +249,37 @@ class SessionStore:
         seq = self.manager.begin(request, max_new_tokens=0)
         reuse = min(seq.num_tokens, len(ids) - 1)
         cache = PagedCache(self.model)
-        cache.start_turn(self, seq.seq_id, ids, seq.num_tokens, reuse, on_close=self._closed)
+        cache.start_turn(self, seq.seq_id, ids, seq.num_tokens, reuse,
+                         on_close=functools.partial(self._closed, session_id))
         self._turns[session_id] = turn + 1
         self._open[session_id] = cache
         self.prompt_tokens += len(ids)
         self.reused_tokens += reuse
         return cache
+
+    @property
+    def sessions(self) -> list[Any]:
+        """The sessions the store counts turns for (every ``cache_for`` id not yet ended with
+        `end`), oldest first."""
+        return list(self._turns)
+
+    def end(self, session_id: Any) -> int:
+        """End a conversation: commit its open turn, if any, and forget its turn count (the
+        store's only per-session state, which otherwise grows with every session a long-lived
+        server sees). Its blocks stay cached for the policy to evict: another session may
+        share them. A later ``cache_for`` with the same id starts a new conversation at turn 0.
+        Returns the turns the session had.
+
+        Raises:
+            ConfigError: ``session_id`` has no turn in this store (never started, or ended).
+        """
+        if session_id not in self._turns:
+            raise ConfigError(f"end({session_id!r}): no such session in this store (it never "
+                              f"had a turn or was already ended); {len(self._turns)} open")
+        cache = self._open.pop(session_id, None)
+        if cache is not None:
+            cache.close()
+        return self._turns.pop(session_id)
 
     def finish(self, cache: PagedCache) -> None:
         """Commit a turn (same as ``cache.close()``)."""
@@ -261,10 +287,9 @@ class SessionStore:
             raise ConfigError("finish() takes a cache returned by this store's cache_for()")
         cache.close()
 
-    def _closed(self, cache: PagedCache) -> None:
-        for session, open_cache in list(self._open.items()):
-            if open_cache is cache:
-                del self._open[session]
+    def _closed(self, session_id: Any, cache: PagedCache) -> None:
+        if self._open.get(session_id) is cache:
+            del self._open[session_id]
 
     def __repr__(self) -> str:
         tiers = "" if self.tiers is None else f", tiers={self.tiers!r}"
