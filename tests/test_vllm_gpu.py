@@ -527,6 +527,20 @@ def test_request_hints_metrics_and_reset(g, tmp_path, caplog):
 
 
 @vllm_only
+def test_a_policy_instance_keeps_strict_ticks_across_a_reset(g):
+    """An instance outlives ``reset_prefix_cache`` (it is told ``on_evict`` for every
+    record), so the ticks of the records after it go on from those before."""
+    mgr, tier = manager(g, MRU())
+    drive(g, mgr, [A])
+    before = max(r.last_access_tick for r in tier.records if r is not None)
+    assert mgr.reset_prefix_cache() and not any(tier.records)
+    drive(g, mgr, [A])
+    after = [r.last_access_tick for r in tier.records if r is not None]
+    assert len(after) == 3 and min(after) > before
+    tier.check()
+
+
+@vllm_only
 def test_connector_evict_blocks(g):
     """``evict_blocks`` (a KV connector dropping hashes): the policy forgets the block, and
     a free one is reused first, as an uncached block."""

@@ -335,9 +335,12 @@ def test_clear(v):
     recorder = Recorder()
     manager, adapter, _ = build(v, 4, recorder)
     run(v, manager, [1], "a")
+    before = adapter.records[key(v, 1)].last_access_tick
     recorder.log.clear()
     manager.reset_cache()
     assert recorder.log == [("on_evict", 0)] and len(recorder) == 0
+    run(v, manager, [1], "b")  # the instance outlives the reset: its ticks stay strict
+    assert adapter.records[key(v, 1)].last_access_tick > before
 
 
 # -- the bundled Mooncake trace through vLLM's real manager --------------------------------

@@ -775,7 +775,8 @@ class GPUTier:
         self.num_candidates = 0
         self.holders.clear()
         self.children.clear()
-        self.tick = 0
+        # the tick goes on: a policy instance outlives the reset, and ticks order its
+        # accesses strictly (a restart would give new records the ticks of old entries)
         self.begun.clear()
         self.preempted.clear()
         if not instance:

@@ -397,7 +397,8 @@ class KVEvictCachePolicy(CachePolicy):
         self.pending.clear()
         self.key_of.clear()
         self._placed.clear()
-        self._tick = 0
+        # the tick goes on: a policy instance outlives the reset, and ticks order its
+        # accesses strictly (a restart would give new records the ticks of old entries)
         if not instance:  # a quarantined instance stays quarantined
             self._start_policy()
 
