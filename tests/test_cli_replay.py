@@ -141,6 +141,34 @@ def test_replay_from_saved_results_prints_what_the_replay_did(capsys, head, tmp_
     assert (plots / "versus.png").read_bytes() == (tmp_path / "lib.png").read_bytes()
 
 
+def test_replay_from_selects_rows_that_are_not_registered_policies(capsys, head, tmp_path):
+    """The rows of saved results are selected by their names, whatever registered them:
+    the infinite cache, an oracle sweep's rows, a policy of another process's module."""
+    saved = tmp_path / "saved"
+    run(capsys, ["replay", "--trace", str(head), "--sizes", "300", "--policies",
+                 "lru,horizon-oracle,infinite", "--horizons", "30,300", "--quiet",
+                 "--out", str(saved)])
+    data = json.loads((saved / "results.json").read_text())
+    rows = data["policies"]
+    assert rows[0] == "lru" and rows[-1] == "infinite" and len(rows) == 4
+    data["policies"] = [("my-policy" if p == "lru" else p) for p in rows]  # not registered
+    for row in data["results"]:
+        row["policy"] = "my-policy" if row["policy"] == "lru" else row["policy"]
+    (saved / "results.json").write_text(json.dumps(data))
+    picked = [rows[2], "infinite", "my-policy"]
+    captured = run(capsys, ["replay", "--from", str(saved), "--policies", ",".join(picked),
+                            "--versus", "my-policy"])
+    table_rows = [line.split(" | ")[0][2:] for line in captured.out.splitlines()[3:6]]
+    assert table_rows == picked
+    for argv, expected in [
+        (["--policies", ","], "kvevict: error: --policies names no row (rows: my-policy, "),
+        (["--policies", "infinite,infinite"], "kvevict: error: --policies lists infinite "
+                                              "twice"),
+    ]:
+        message = user_error(capsys, ["replay", "--from", str(saved), *argv])
+        assert message.startswith(expected), message
+
+
 def test_replay_from_errors(capsys, head, tmp_path):
     saved = tmp_path / "saved"
     run(capsys, ["replay", "--trace", str(head), "--sizes", "300", "--policies", "lru,arc",

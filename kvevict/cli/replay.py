@@ -375,7 +375,16 @@ def _saved_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"{flag} says how to replay a trace; --from {args.saved} replays "
                           "nothing (it reads the results a replay saved)")
     table, meta = load_results(args.saved)
-    policies = parse_policies(args.policies) if args.policies is not None else None
+    policies = None
+    if args.policies is not None:
+        # the saved rows' names, not the registry's: a row may be `infinite`, an oracle sweep
+        # or a policy another process registered (--policy-module)
+        from kvevict.policies.registry import check_distinct
+
+        policies = csv_list(args.policies)
+        if not policies:
+            raise ConfigError(f"--policies names no row (rows: {', '.join(table.policies)})")
+        check_distinct(policies, "--policies")
     table = table.select(policies, args.sizes)
     _check_versus(args.versus, table.policies, "these results")
     meta.setdefault("trace", str(args.saved))
