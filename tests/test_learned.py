@@ -326,6 +326,75 @@ def test_a_dead_single_shot_tail_goes_before_a_live_chats() -> None:
     assert victims(m, 1) == [("shot", 0)]
 
 
+# -- the ghost: a content's uses survive its eviction ----------------------------------------
+
+
+def test_the_ghost_counts_a_contents_uses_across_its_evictions() -> None:
+    policy = LearnedReuse(FLAT, ghost=True)
+    m, clock = manager(400, policy)
+    run(m, clock, 0.0, "a", (("a", 0),))
+    run(m, clock, 1.0, "a2", (("a", 0),))  # a hit: two uses
+    clock.set(60.0)
+    m.evict(m.pool.num_used)
+    assert policy.ghost_size == 1
+    run(m, clock, 61.0, "a3", (("a", 0),))  # a miss: cached again, its third use
+    run(m, clock, 61.0, "f", (("f", 0),))  # new content
+    a, f = m.tree.get(("a", 0)), m.tree.get(("f", 0))
+    assert (a.hit_count, policy.uses_before(a), policy.cell(a)[0]) == (0, 2, 2)
+    assert (policy.uses_before(f), policy.cell(f)[0]) == (0, 0)
+    assert policy.ghost_size == 0  # recalled: the block holds its count now
+    clock.set(120.0)
+    m.evict(m.pool.num_used)  # 3 uses of a, 1 of f
+    run(m, clock, 121.0, "a4", (("a", 0),))
+    run(m, clock, 121.0, "f2", (("f", 0),))
+    assert policy.uses_before(m.tree.get(("a", 0))) == 3
+    assert policy.uses_before(m.tree.get(("f", 0))) == 1
+    # without the ghost an evicted content starts again from none
+    plain = LearnedReuse(FLAT)
+    m, clock = manager(400, plain)
+    run(m, clock, 0.0, "a", (("a", 0),))
+    clock.set(60.0)
+    m.evict(m.pool.num_used)
+    run(m, clock, 61.0, "a2", (("a", 0),))
+    assert (plain.ghost_size, plain.uses_before(m.tree.get(("a", 0)))) == (0, 0)
+
+
+@pytest.mark.parametrize(("ghost", "first"), [(True, ("fresh", 0)), (False, ("seen", 0))])
+def test_content_seen_before_outlives_new_content_when_it_returns_more(ghost, first) -> None:
+    """The table has learned that blocks used once before return within H and new ones do
+    not. A block of content evicted earlier and cached again, and a new one released a
+    second later: with the ghost they fall in those two cells, and the new one goes first;
+    without it both are new content, and LRU's order decides."""
+    policy = LearnedReuse(FLAT, ghost=ghost)
+    m, clock = manager(400, policy)
+    run(m, clock, 0.0, "x", (("seen", 0),))
+    clock.set(60.0)
+    m.evict(m.pool.num_used)  # H = 60 s, the idle time of that eviction
+    table = policy.table
+    out = (8).bit_length()  # run()'s answers are 8 tokens
+    seen_cell, new_cell = (1, out, 1, "chat", 0), (0, out, 1, "chat", 0)
+    for j in range(20):
+        table.open(("s", j), seen_cell, 60.0)
+        table.reuse(("s", j), 65.0, policy.horizon)  # back within H
+        table.open(("n", j), new_cell, 60.0)
+    table.expire(130.0, policy.horizon)  # never back: failed
+    run(m, clock, 130.0, "again", (("seen", 0),))
+    run(m, clock, 131.0, "new", (("fresh", 0),))
+    seen, fresh = m.tree.get(("seen", 0)), m.tree.get(("fresh", 0))
+    assert policy.cell(seen) == (seen_cell if ghost else new_cell)
+    assert policy.cell(fresh) == new_cell
+    clock.set(132.0)
+    assert victims(m, 1) == [first]
+
+
+def test_the_ghost_holds_at_most_the_blocks_the_cache_held() -> None:
+    reqs = workloads.read_mooncake(workloads.bundled_trace_path())
+    policy = LearnedReuse(ghost=True)
+    result = replay(reqs[:1500], policy, 1000, 512, time="arrival")
+    assert result.evictions > 10_000
+    assert 900 <= policy.ghost_size <= 1000
+
+
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(ConfigError, match="prior_weight"):
         LearnedReuse(prior_weight=0)
@@ -335,6 +404,8 @@ def test_bad_arguments_are_named() -> None:
         LearnedReuse(max_conversations=0)
     with pytest.raises(ConfigError, match="gaps must be one of"):
         LearnedReuse(gaps="lognormal")
+    with pytest.raises(ConfigError, match="ghost must be True or False, got 'yes'"):
+        LearnedReuse(ghost="yes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="cost_model"):
         LearnedReuse(cost_model="h100")  # type: ignore[arg-type]
 
@@ -521,10 +592,21 @@ def test_empirical_estimates_at_t_use_no_event_after_t() -> None:
 
 
 EMPIRICAL = {1000: 0.0857, 2000: 0.1544, 5000: 0.2967, 10000: 0.4530, 20000: 0.6098}
+#: with the ghost (``ghost=True``)
+EMPIRICAL_GHOST = {1000: 0.0900, 2000: 0.1617, 5000: 0.2959, 10000: 0.4593, 20000: 0.6120}
 
 
 @pytest.mark.parametrize("size", [2000, 20000])
-def test_empirical_golden_block_hit_ratios(size: int) -> None:
+@pytest.mark.parametrize("ghost", [False, True])
+def test_empirical_golden_block_hit_ratios(size: int, ghost: bool) -> None:
     reqs = workloads.read_mooncake(workloads.bundled_trace_path())
-    result = replay(reqs, LearnedReuse(gaps="empirical"), size, 512, time="arrival")
-    assert round(result.block_hit_ratio, 4) == EMPIRICAL[size]
+    result = replay(reqs, LearnedReuse(gaps="empirical", ghost=ghost), size, 512,
+                    time="arrival")
+    assert round(result.block_hit_ratio, 4) == (EMPIRICAL_GHOST if ghost else EMPIRICAL)[size]
+
+
+def test_the_stateful_machine_runs_learned_with_the_ghost() -> None:
+    from kvevict.testing import machine_for
+
+    machine_for(lambda: LearnedReuse(gaps="empirical", ghost=True)).TestCase().runTest()
+    machine_for(lambda: LearnedReuse(ghost=True), num_blocks=5, block_size=2).TestCase().runTest()

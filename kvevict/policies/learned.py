@@ -51,6 +51,13 @@ the price is ``P(t < G <= t + H | G > t) * cost / bytes`` at the block's idle ti
 step function of the idle time's bin, kept exact in the heap by a timer per candidate at the
 end of its bin.
 
+**The ghost** (``ghost=True``, an option; see docs/policies/learned.md). A block's use count
+is its record's: a content evicted and cached again starts from none, so the feature is
+censored by eviction exactly where it matters, in a small cache. With the ghost the policy
+remembers the use counts of the contents it evicted, as S3-FIFO's ghost queue (Yang et al.,
+SOSP'23) and ARC's ghost lists (Megiddo and Modha, FAST'03) remember evicted keys, and at most
+as many as the cache has held; a content cached again goes on counting from there.
+
 **Index.** In log form the price is ``log p + log(cost / bytes) + (last_access - t0) / H`` up
 to a term shared by every candidate, so it does not change with ``now``: a candidate is priced
 once, when it becomes one (or, for the blocks a request releases, when its ``on_finish``
@@ -85,7 +92,7 @@ from kvevict.policies.base import Policy, register_policy
 from kvevict.policies.market.price import CostBuckets, check_learning, checked_cost_model
 from kvevict.types import BlockInfo, Request
 
-__all__ = ["ConversationTracker", "GapTable", "LearnedReuse", "ReuseTable", "gap_bin"]
+__all__ = ["ConversationTracker", "GapTable", "Ghost", "LearnedReuse", "ReuseTable", "gap_bin"]
 
 #: Horizon (seconds) before the first eviction: the market's default horizon.
 INITIAL_HORIZON_S = 60.0
@@ -565,6 +572,45 @@ class GapTable(TrialBook):
         return out
 
 
+class Ghost:
+    """The use counts of evicted contents, so a content cached again goes on counting: as
+    S3-FIFO's ghost queue (Yang et al., SOSP'23) and ARC's ghost lists (Megiddo and Modha,
+    FAST'03) remember evicted keys. It holds at most as many contents as the most blocks its
+    policy has tracked at once (about the cache's size), dropping the longest evicted first.
+    """
+
+    def __init__(self) -> None:
+        #: evicted content (block hash) -> the requests that used it until then, oldest
+        #: eviction first
+        self.uses: OrderedDict[Any, int] = OrderedDict()
+        #: cached block id -> the uses of its content before it was cached this time
+        self.earlier: dict[int, int] = {}
+        self.bound = 0  # the most blocks tracked at once
+
+    def __len__(self) -> int:
+        return len(self.uses)
+
+    def recall(self, blocks: Iterable[BlockInfo]) -> None:
+        """``blocks`` were just cached: those remembered go on counting their content's uses."""
+        uses, earlier = self.uses, self.earlier
+        for block in blocks:
+            n = uses.pop(block.block_hash, None)
+            if n is not None:
+                earlier[block.block_id] = n
+
+    def remember(self, block: BlockInfo, tracked: int) -> None:
+        """``block`` is evicted while its policy tracks ``tracked`` blocks: note its content's
+        uses (its record's hits, the uses before it was cached, and the one that cached it)."""
+        if tracked > self.bound:
+            self.bound = tracked
+        uses = self.uses
+        block_hash = block.block_hash
+        uses.pop(block_hash, None)  # (cached again without a begin that recalled it)
+        uses[block_hash] = block.hit_count + self.earlier.pop(block.block_id, 0) + 1
+        if len(uses) > self.bound:
+            uses.popitem(last=False)
+
+
 @register_policy("learned")
 class LearnedReuse(Policy):
     """Evict the candidate with the lowest learned price (see the module docstring).
@@ -577,17 +623,26 @@ class LearnedReuse(Policy):
         memory: observations after which old ones weigh ``1/e``.
         max_conversations: session ids the conversation tracker remembers (inferred
             conversations live on their cached blocks and need no bound).
+        gaps: ``"exponential"`` (default) or ``"empirical"`` (see the module docstring).
+        ghost: remember the use counts of evicted contents, so a content cached again goes
+            on counting its uses (default False; see the module docstring).
     """
 
     def __init__(self, cost_model: CostModel | None = None, *, block_size: int | None = None,
                  prior_weight: float = 8.0, memory: float = 1000.0,
-                 max_conversations: int = 100_000, gaps: str = "exponential") -> None:
+                 max_conversations: int = 100_000, gaps: str = "exponential",
+                 ghost: bool = False) -> None:
         cost_model = checked_cost_model(cost_model, block_size)
         check_learning(prior_weight, memory)
         if gaps not in GAP_MODELS:
             raise ConfigError(f"gaps must be one of {', '.join(map(repr, GAP_MODELS))}, "
                               f"got {gaps!r}")
-        self.gaps = gaps
+        if not isinstance(ghost, bool):
+            raise ConfigError(f"ghost must be True or False, got {ghost!r}")
+        # 29 instance attributes once bound, no more: CPython shares an instance dict's keys
+        # up to 30, and with a 30th every attribute load here cost more (+3% instructions
+        # per replayed request, `benchmarks/count.py policy`); `gaps` and `ghost` are
+        # properties for that reason
         self._empirical = gaps == "empirical"
         self.cost_model = cost_model
         self.block_size = block_size
@@ -603,6 +658,8 @@ class LearnedReuse(Policy):
         self._idles: list[float] = []  # idle times of the evictions not folded in yet
         #: block id -> its feature cell, filed when the request that used it last finished
         self._state: dict[int, tuple[Any, ...]] = {}
+        #: the use counts of evicted contents (``ghost=True``), else None
+        self._ghost: Ghost | None = Ghost() if ghost else None
         #: request id -> ((conversation key, turn), blocks known at its begin), begin to finish
         self._running: dict[Any, tuple[tuple[Any, int], int]] = {}
         #: (key, tick, block id, block): a candidate's entry carries its record
@@ -667,13 +724,44 @@ class LearnedReuse(Policy):
         cell = self._state.get(block.block_id)
         return cell if cell is not None else self._cells((block,), 0, 1)[0]
 
-    @staticmethod
-    def _cells(blocks: Sequence[BlockInfo], out_bucket: int, turn: int) -> list[tuple[Any, ...]]:
+    def _cells(self, blocks: Sequence[BlockInfo], out_bucket: int, turn: int
+               ) -> list[tuple[Any, ...]]:
         """The cells of ``blocks`` used by one request of output bucket ``out_bucket`` at
-        ``turn``."""
+        ``turn``. The use count is the content's: its record's hits plus the uses before it
+        was last evicted (`uses_before`)."""
         turn = turn if turn < 3 else 3
-        return [(b.hit_count if b.hit_count < 2 else 2, out_bucket, turn, b.workload_class,
-                 b.depth.bit_length() if b.depth < 64 else 7) for b in blocks]
+        ghost = self._ghost
+        earlier = ghost.earlier if ghost is not None else None
+        if not earlier:
+            return [(b.hit_count if b.hit_count < 2 else 2, out_bucket, turn, b.workload_class,
+                     b.depth.bit_length() if b.depth < 64 else 7) for b in blocks]
+        cells = []
+        for b in blocks:
+            uses = b.hit_count + earlier.get(b.block_id, 0)
+            cells.append((uses if uses < 2 else 2, out_bucket, turn, b.workload_class,
+                          b.depth.bit_length() if b.depth < 64 else 7))
+        return cells
+
+    @property
+    def gaps(self) -> str:
+        """The gap model: ``"empirical"`` or ``"exponential"``."""
+        return "empirical" if self._empirical else "exponential"
+
+    @property
+    def ghost(self) -> bool:
+        """Whether evicted contents' use counts are remembered (`Ghost`)."""
+        return self._ghost is not None
+
+    def uses_before(self, block: BlockInfo) -> int:
+        """Uses of ``block``'s content before it was cached this time (the requests that
+        used it until it was evicted): 0 unless the ghost remembered it."""
+        ghost = self._ghost
+        return 0 if ghost is None else ghost.earlier.get(block.block_id, 0)
+
+    @property
+    def ghost_size(self) -> int:
+        """Evicted contents whose use counts the ghost remembers (0 without it)."""
+        return 0 if self._ghost is None else len(self._ghost)
 
     def price(self, block: BlockInfo, now: float) -> float:
         """The block's price at ``now``: with empirical gaps, ``P(used again within H | idle
@@ -837,6 +925,9 @@ class LearnedReuse(Policy):
                  new: Sequence[BlockInfo], now: float) -> None:
         # the misses that cached content used before: reuses the cache did not serve
         self._resolve([block.block_hash for block in new], now)
+        ghost = self._ghost
+        if ghost is not None and ghost.uses:
+            ghost.recall(new)
         self._running[request.request_id] = (self.conversations.begin(
             request, hits, new, self.manager_block_size), len(hits) + len(new))
 
@@ -854,6 +945,9 @@ class LearnedReuse(Policy):
             # cached, before the trials they resolve can expire
             for block in blocks[known:]:
                 self._resolve((block.block_hash,), block.created)
+            ghost = self._ghost
+            if ghost is not None and ghost.uses and len(blocks) > known:
+                ghost.recall(blocks[known:])
         out = request.output_len
         cells = self._cells(blocks, min(out.bit_length(), 10) if out > 0 else 0, turn)
         self._expire(now)
@@ -908,6 +1002,9 @@ class LearnedReuse(Policy):
         """Forget an evicted block's features and conversation, and note its idle time for
         the horizon (folded in when `horizon` is next read)."""
         block_id = block.block_id
+        ghost = self._ghost
+        if ghost is not None:
+            ghost.remember(block, len(self._state))
         self._state.pop(block_id, None)
         self.conversations.forget(block_id)
         self._idles.append(now - block.last_access)
@@ -957,5 +1054,6 @@ class LearnedReuse(Policy):
         return block_id
 
     def __repr__(self) -> str:
-        return (f"LearnedReuse(gaps={self.gaps!r}, prior_weight={self.prior_weight}, "
+        ghost = ", ghost=True" if self.ghost else ""
+        return (f"LearnedReuse(gaps={self.gaps!r}{ghost}, prior_weight={self.prior_weight}, "
                 f"memory={self.memory}, horizon={self.horizon:.3g})")
