@@ -731,16 +731,14 @@ class LearnedReuse(Policy):
         was last evicted (`uses_before`)."""
         turn = turn if turn < 3 else 3
         ghost = self._ghost
-        earlier = ghost.earlier if ghost is not None else None
-        if not earlier:
+        if ghost is None or not ghost.earlier:
+            # without earlier uses the count is the record's: no lookup per block (one
+            # comprehension for both cost the default 1% more instructions per request)
             return [(b.hit_count if b.hit_count < 2 else 2, out_bucket, turn, b.workload_class,
                      b.depth.bit_length() if b.depth < 64 else 7) for b in blocks]
-        cells = []
-        for b in blocks:
-            uses = b.hit_count + earlier.get(b.block_id, 0)
-            cells.append((uses if uses < 2 else 2, out_bucket, turn, b.workload_class,
-                          b.depth.bit_length() if b.depth < 64 else 7))
-        return cells
+        before = ghost.earlier.get
+        return [(u if (u := b.hit_count + before(b.block_id, 0)) < 2 else 2, out_bucket, turn,
+                 b.workload_class, b.depth.bit_length() if b.depth < 64 else 7) for b in blocks]
 
     @property
     def gaps(self) -> str:
@@ -946,7 +944,7 @@ class LearnedReuse(Policy):
             for block in blocks[known:]:
                 self._resolve((block.block_hash,), block.created)
             ghost = self._ghost
-            if ghost is not None and ghost.uses and len(blocks) > known:
+            if ghost is not None and ghost.uses:
                 ghost.recall(blocks[known:])
         out = request.output_len
         cells = self._cells(blocks, min(out.bit_length(), 10) if out > 0 else 0, turn)
