@@ -488,6 +488,51 @@ def test_open_counts_are_the_open_trials_by_age_under_random_operations() -> Non
                 assert table.open_counts(cell, now) == want
 
 
+def test_return_odds_match_the_survival_curve_they_come_from() -> None:
+    """`return_odds` (and its log, what the policy prices with) against the formula written
+    out from `survival` and `hazards`: ``1 - S(t + H) / S(t)`` at each bin's geometric middle,
+    ``S`` interpolated over log time in a bin; on random tables, open trials included, at
+    horizons inside bin 0, inside the range and past a day."""
+    import math
+    import random
+
+    def reference(table, cell, horizon, now):
+        hz, start = table.hazards(cell, now), table.survival(cell, now)
+
+        def surv(x):
+            k = gap_bin(x)
+            if k == NUM_GAP_BINS - 1:
+                return start[k]
+            frac = x / 0.1 if k == 0 else math.log(x / GAP_EDGES[k]) / math.log(GAP_EDGES[2]
+                                                                              / GAP_EDGES[1])
+            return start[k] * (1.0 - hz[k]) ** frac
+
+        ratio = GAP_EDGES[2] / GAP_EDGES[1]
+        idle = [0.05] + [GAP_EDGES[k] * math.sqrt(ratio) for k in range(1, NUM_GAP_BINS - 1)]
+        idle.append(86_400.0)
+        return [1.0 - surv(t + horizon) / surv(t) if surv(t) > 0 else 0.0 for t in idle]
+
+    rng = random.Random(3)
+    for trial in range(40):
+        table = GapTable(prior_weight=rng.choice([1e-9, 8.0]), memory=1000.0)
+        cells = ["a", "b"]
+        now = 0.0
+        for j in range(rng.randrange(1, 60)):
+            now += rng.expovariate(0.2)
+            table.open((trial, j), rng.choice(cells), now)
+            if rng.random() < 0.7:
+                table.reuse((trial, j), now + rng.lognormvariate(2.0, 3.5))
+        now += 100.0
+        for cell in cells + ["never seen"]:
+            for horizon in (0.03, 7.0, 60.0, 3_000.0, 200_000.0):
+                want = reference(table, cell, horizon, now)
+                got = table.return_odds(cell, horizon, now)
+                assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+                logs = table.log_return_odds(cell, horizon, now)
+                assert [math.exp(x) for x in logs] == got
+                assert all((x == -math.inf) == (q == 0.0) for x, q in zip(logs, want))
+
+
 def test_a_sparse_cell_backs_off_to_the_pooled_gaps() -> None:
     table = GapTable(prior_weight=8.0, memory=float("inf"))
     for i in range(8):

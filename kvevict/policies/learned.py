@@ -344,6 +344,8 @@ GAP_WINDOW = GAP_HI
 REFRESH_FRACTION = 0.125
 _INV_LOG_RATIO = 1.0 / GAP_LOG_RATIO
 _LAST_BIN = NUM_GAP_BINS - 1
+_ZEROS = (0.0,) * NUM_GAP_BINS
+_BINS_DOWN = range(NUM_GAP_BINS - 1, -1, -1)
 
 
 def gap_bin(seconds: float) -> int:
@@ -420,6 +422,8 @@ class GapTable(TrialBook):
         self._runs = 0  # runs in ``_open``, at most (reads drop some without counting)
         #: block hash -> the run its open trial counts in
         self._run_of: dict[Any, list[Any]] = {}
+        #: (horizon, `_idle_spans` at it), for the last horizon asked
+        self._spans: tuple[float, list[tuple[int, float, int, float]]] = (math.nan, [])
 
     def open_all(self, trials: Sequence[tuple[Any, Any]], now: float) -> None:
         """Open a trial for each ``(block hash, cell)`` of one release at ``now``, counted
@@ -463,9 +467,12 @@ class GapTable(TrialBook):
         g = self.gamma
         n = self.cell_observations.get(cell, 0)
         closed = 0
+        log, lo, inv_ratio, last = math.log, GAP_LO, _INV_LOG_RATIO, _LAST_BIN
         for t0, seen, left in q:  # a run's trials share their age and decay
             if left > 0:
-                counts[gap_bin(max(now - t0, 0.0))] += left * g ** (n - seen)
+                age = now - t0  # its bin: `gap_bin`, inline (a call per run cost more)
+                k = 0 if age < lo else 1 + int(log(age / lo) * inv_ratio)
+                counts[k if k < last else last] += left * g ** (n - seen)
             else:
                 closed += 1
         if closed:
@@ -517,27 +524,29 @@ class GapTable(TrialBook):
 
     def weight(self, cell: Any) -> float:
         """The decayed number of trials of ``cell``."""
-        events, censored = self.counts(cell)
-        return sum(events) + sum(censored)
+        entry = self._cells.get(cell)
+        return 0.0 if entry is None else (sum(entry[0]) + sum(entry[1])) / entry[2]
 
     def hazards(self, cell: Any, now: float | None = None) -> list[float]:
         """Per bin, the Kaplan-Meier hazard of ``cell``'s counts shrunk to the pooled ones:
         events in the bin over the trials at risk at its start (0 where none is). With
         ``now``, the cell's open trials count as censored at their age (`open_counts`)."""
-        events, censored = self.counts(cell)
-        if now is not None:
-            censored = [a + b for a, b in zip(censored, self.open_counts(cell, now))]
-        ps = 1.0 / self._pooled[2]
-        pe, pc = self._pooled[0], self._pooled[1]
+        pe, pc, pooled_scale = self._pooled
+        ps = 1.0 / pooled_scale
         total = (sum(pe) + sum(pc)) * ps
         w = self.prior_weight * ps / total if total > 0 else 0.0
-        d = [events[k] + w * pe[k] for k in range(NUM_GAP_BINS)]
-        c = [censored[k] + w * pc[k] for k in range(NUM_GAP_BINS)]
+        entry = self._cells.get(cell)
+        if entry is None:
+            events, censored, s = _ZEROS, _ZEROS, 1.0
+        else:
+            events, censored, s = entry[0], entry[1], 1.0 / entry[2]
+        open_now = _ZEROS if now is None else self.open_counts(cell, now)
         out = [0.0] * NUM_GAP_BINS
         at_risk = 0.0
-        for k in range(NUM_GAP_BINS - 1, -1, -1):
-            at_risk += d[k] + c[k]
-            out[k] = d[k] / at_risk if at_risk > 0 else 0.0
+        for k in _BINS_DOWN:  # the trials at risk at a bin's start: those ending in it or after
+            d = events[k] * s + w * pe[k]
+            at_risk += d + (censored[k] * s + open_now[k] + w * pc[k])
+            out[k] = d / at_risk if at_risk > 0 else 0.0
         return out
 
     def survival(self, cell: Any, now: float | None = None) -> list[float]:
@@ -556,20 +565,51 @@ class GapTable(TrialBook):
         ``p (F(t + H) - F(t)) / (p S_r(t) + 1 - p)`` with ``p`` the return probability and
         ``S_r = 1 - F`` the survival of the returning blocks' gaps: the same number.
         """
+        exp = math.exp
+        return [exp(x) for x in self.log_return_odds(cell, horizon, now)]
+
+    def log_return_odds(self, cell: Any, horizon: float, now: float | None = None
+                        ) -> list[float]:
+        """The log of `return_odds` (``-inf`` where the odds are 0): what the policy prices
+        with, in one pass over the idle points."""
+        log, inf = math.log, -math.inf
         hz = self.hazards(cell, now)
         start = _survival(hz)
-
-        def surv(k: int, f: float) -> float:  # S at fraction f of log time into bin k
-            if k == _LAST_BIN:
-                return start[k]
-            keep = 1.0 - hz[k]
-            return start[k] * (keep ** f if keep > 0 else (1.0 if f <= 0 else 0.0))
-
         out = []
-        for t, k, f in _IDLE_POINTS:
-            st = surv(k, f)
-            out.append(1.0 - surv(*_bin_fraction(t + horizon)) / st if st > 0 else 0.0)
+        for k, f, k_end, f_end in self._idle_spans(horizon):
+            # S at fraction f of bin k: its hazard spread evenly over the bin (f is 0 in the
+            # last bin, where S is flat)
+            keep = 1.0 - hz[k]
+            at = start[k] * (keep ** f if keep > 0 else (1.0 if f <= 0 else 0.0))
+            if at > 0:
+                keep = 1.0 - hz[k_end]
+                q = 1.0 - start[k_end] * (keep ** f_end if keep > 0 else
+                                          (1.0 if f_end <= 0 else 0.0)) / at
+                out.append(log(q) if q > 0 else inf)
+            else:  # no block of the cell is idle this long: no odds
+                out.append(inf)
         return out
+
+    def _idle_spans(self, horizon: float) -> list[tuple[int, float, int, float]]:
+        """Per idle point (`_IDLE_POINTS`), its bin and fraction and those of ``horizon``
+        later: kept for the last ``horizon`` asked (every cell repriced at one rebuild asks
+        the same)."""
+        if self._spans[0] != horizon:
+            spans = []
+            log, lo, inv_ratio, last, edges = (math.log, GAP_LO, _INV_LOG_RATIO, _LAST_BIN,
+                                               GAP_EDGES)
+            for t, k, f in _IDLE_POINTS:  # `_bin_fraction(t + horizon)`, inline
+                end = t + horizon
+                if end < lo:
+                    spans.append((k, f, 0, end / lo))
+                    continue
+                k_end = 1 + int(log(end / lo) * inv_ratio)
+                if k_end >= last:
+                    spans.append((k, f, last, 0.0))
+                else:
+                    spans.append((k, f, k_end, log(end / edges[k_end]) * inv_ratio))
+            self._spans = (horizon, spans)
+        return self._spans[1]
 
 
 class Ghost:
@@ -793,9 +833,7 @@ class LearnedReuse(Policy):
         cached = self._odds.get(cell)
         if cached is not None and seen - cached[1] < max(1.0, REFRESH_FRACTION * cached[2]):
             return cached[0]
-        log = math.log
-        odds = [log(q) if q > 0 else -math.inf for q in table.return_odds(cell, self.horizon,
-                                                                          now)]
+        odds = table.log_return_odds(cell, self.horizon, now)
         self._odds[cell] = (odds, seen, table.weight(cell))
         return odds
 
