@@ -470,7 +470,10 @@ class GapTable(TrialBook):
         log, lo, inv_ratio, last = math.log, GAP_LO, _INV_LOG_RATIO, _LAST_BIN
         for t0, seen, left in q:  # a run's trials share their age and decay
             if left > 0:
-                age = now - t0  # its bin: `gap_bin`, inline (a call per run cost more)
+                # its bin: `gap_bin`, inline; calling it here and `_bin_fraction` in
+                # `_idle_spans` cost 9% more instructions per replayed request (count.py
+                # policy, empirical gaps with the ghost: 14.63 G against 13.40 G)
+                age = now - t0
                 k = 0 if age < lo else 1 + int(log(age / lo) * inv_ratio)
                 counts[k if k < last else last] += left * g ** (n - seen)
             else:
@@ -598,7 +601,9 @@ class GapTable(TrialBook):
             spans = []
             log, lo, inv_ratio, last, edges = (math.log, GAP_LO, _INV_LOG_RATIO, _LAST_BIN,
                                                GAP_EDGES)
-            for t, k, f in _IDLE_POINTS:  # `_bin_fraction(t + horizon)`, inline
+            for t, k, f in _IDLE_POINTS:  # `_bin_fraction(t + horizon)`, inline (see
+                # `open_counts`; `test_return_odds_match_the_survival_curve_they_come_from`
+                # checks the result against the bins written out)
                 end = t + horizon
                 if end < lo:
                     spans.append((k, f, 0, end / lo))
