@@ -98,6 +98,7 @@ from kvevict.policies.registry import (
     PolicySpec,
     build_policy,
     check_distinct,
+    check_spec,
     hook_parameters,
     is_offline,
     online_first,
@@ -628,6 +629,17 @@ def _check_spec(policy: PolicySpec, params: Mapping[str, Any]) -> None:
         POLICIES.get(policy)
 
 
+def _cell(label: str, spec: PolicySpec, params: Mapping[str, Any]
+          ) -> tuple[str, PolicySpec, dict[str, Any]]:
+    """A replay's (label, policy, params), the parameters a name carries
+    (``learned(ghost=true)``, `parse_spec`) moved into ``params``, checked before the trace
+    is read."""
+    if isinstance(spec, str) and spec != INFINITE and "(" in spec:
+        spec, params = check_spec(spec, params)
+    _check_spec(spec, params)
+    return label, spec, dict(params)
+
+
 def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int,
            block_size: int = 512, *, time: str = "index", extra_key: Any = None,
            check_every: int = 0, label: str | None = None, records: bool = False,
@@ -672,10 +684,9 @@ def replay(requests: Iterable[Request], policy: PolicySpec, capacity_blocks: int
         raise ConfigError(f"check_every must be a non-negative int, got {check_every!r}")
     _check_source(requests)
     _check_time(time)
-    _check_spec(policy, policy_params)
+    cell = _cell(label if label is not None else _label(policy), policy, policy_params)
     costs = check_cost_model(cost_model)
-    name = label if label is not None else _label(policy)
-    (result,) = _run(requests, [(name, policy, dict(policy_params))], [capacity_blocks],
+    (result,) = _run(requests, [cell], [capacity_blocks],
                      block_size, time, extra_key, check_every, records, progress, workdir,
                      costs, tiers)
     return result
@@ -808,9 +819,8 @@ def replay_table(requests: Iterable[Request],
         if isinstance(spec, Policy):
             raise ConfigError(f"policy {lbl!r}: give a name or a factory, not an instance "
                               "(each replay needs a fresh policy)")
-        _check_spec(spec, {})  # an unknown name fails before any replay runs
-    cells: list[tuple[str, PolicySpec, dict[str, Any]]] = [
-        (lbl, spec, {}) for lbl, spec in specs.items()]
+    # an unknown name or parameter fails before any replay runs
+    cells = [_cell(lbl, spec, {}) for lbl, spec in specs.items()]
     if horizons is not None:
         cells = _with_horizons(cells, horizons)
     sizes = [_positive_int("capacity", c) for c in capacities]
@@ -852,7 +862,8 @@ def _with_horizons(cells: list[tuple[str, PolicySpec, dict[str, Any]]],
     taken = {lbl for lbl, _, _ in cells} & set(labels)
     if taken:
         raise ConfigError(f"policies already has a row labelled {sorted(taken)[0]!r}")
-    at = next((i for i, (_, spec, _) in enumerate(cells) if spec == "horizon-oracle"), None)
+    at = next((i for i, (_, spec, params) in enumerate(cells)
+               if spec == "horizon-oracle" and not params), None)  # not a row given its H
     if at is not None:
         return cells[:at] + rows + cells[at + 1:]
     tail = len(cells)

@@ -47,7 +47,7 @@ from kvevict.errors import ConfigError
 from kvevict.layout import KVLayout
 from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy
-from kvevict.policies.registry import POLICIES, build_policy, is_offline
+from kvevict.policies.registry import POLICIES, build_policy, is_offline, spec_name
 from kvevict.pool import BlockPool
 from kvevict.run import (
     CostModelExecutor,
@@ -247,8 +247,9 @@ def simulate(requests: Iterable[Request], policy: str | Policy = "lru", *,
                                  **(policy_params or {}))
     else:
         params = dict(policy_params or {})
-        if (cost is not None and isinstance(policy, str) and not offline and policy in POLICIES
-                and "cost_model" in POLICIES.parameters(policy) and "cost_model" not in params):
+        named = spec_name(policy)  # "market(horizon=60)" takes what "market" takes
+        if (cost is not None and isinstance(policy, str) and not offline and named in POLICIES
+                and "cost_model" in POLICIES.parameters(named) and "cost_model" not in params):
             params["cost_model"] = cost  # price with the box's costs, as the executor charges
         policy_obj = build_policy(policy, params, requests=ordered if offline else None,
                                   block_size=block_size,

@@ -1046,9 +1046,10 @@ class TierStack:
         out = dict(params or {})
         if not isinstance(policy, str):
             return out
-        from kvevict.policies.registry import POLICIES
+        from kvevict.policies.registry import POLICIES, spec_name
 
-        if policy in POLICIES and "cost_model" in POLICIES.parameters(policy):
+        name = spec_name(policy)  # "market(horizon=60)" takes what "market" takes
+        if name in POLICIES and "cost_model" in POLICIES.parameters(name):
             out["cost_model"] = self.policy_cost_model(tier, out.get("cost_model"),
                                                        block_size=block_size)
         return out

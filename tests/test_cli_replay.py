@@ -295,6 +295,44 @@ def test_replay_progress_bars_on_stderr(capsys, head):
     assert replays[-1].startswith(f"[########################] 10/10 replay: {HEAD:,} requests")
 
 
+def test_replay_policies_with_parameters_are_rows_of_their_own(capsys, head, tmp_path):
+    """``--policies 'learned(ghost=true)'``: the row is that text, its numbers the policy's
+    built with those parameters (the library's table of factories), and ``--versus`` and
+    ``--from`` take the text as a row name."""
+    from kvevict.policies.learned import LearnedReuse
+    from kvevict.policies.lfu import LFU
+
+    out = tmp_path / "out"
+    spec = "learned(gaps=empirical, ghost=true)"
+    captured = run(capsys, ["replay", "--trace", str(head), "--sizes", "300,900", "--policies",
+                            f"lru,learned,{spec},lfu(half_life=50)", "--versus", spec,
+                            "--out", str(out), "--quiet"])
+    table = replay_table(read_mooncake(head), {
+        "lru": "lru", "learned": "learned",
+        spec: lambda: LearnedReuse(gaps="empirical", ghost=True),
+        "lfu(half_life=50)": lambda: LFU(half_life=50.0)}, [300, 900])
+    assert format_table(table) in captured.out
+    assert format_comparison(table, spec) in captured.out
+    hits = {(r.policy, r.capacity_blocks): r.hits for r in table.results}
+    assert hits[(spec, 300)] != hits[("learned", 300)]  # the parameters reached the policy
+    assert hits[("lfu(half_life=50)", 300)] != replay_table(
+        read_mooncake(head), ["lfu"], [300]).results[0].hits
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["policies"] == ["lru", "learned", spec, "lfu(half_life=50)"]
+    again = run(capsys, ["replay", "--from", str(out), "--policies", f"lru,{spec}",
+                         "--versus", spec])
+    assert format_table(table.select(["lru", spec], None)) in again.out
+    message = user_error(capsys, ["replay", "--trace", str(head), "--policies",
+                                  "lru,learned(ghost=true, gapz=empirical)", "--quiet"])
+    assert message == ("kvevict: error: policy 'learned' has no parameter(s) gapz; it "
+                       "accepts: cost_model, block_size, prior_weight, memory, "
+                       "max_conversations, gaps, ghost")
+    message = user_error(capsys, ["replay", "--trace", str(head), "--policies",
+                                  "lru,learned(ghost=true", "--quiet"])
+    assert message == ("kvevict: error: unbalanced parentheses in the policy list "
+                       "'lru,learned(ghost=true'")
+
+
 def test_replay_policy_module_round_trip(capsys, head, tmp_path, monkeypatch):
     (tmp_path / "my_replay_policies.py").write_text(
         "from kvevict.policies import ScoredPolicy, register_policy\n\n\n"

@@ -9,21 +9,26 @@ from typing import ClassVar
 import pytest
 
 from kvevict import ConfigError, Request, report
+from kvevict.cost import CostModel
 from kvevict.engine import LlamaModel, ModelConfig
 from kvevict.engine.driver import default_policy_params, run_engine
 from kvevict.policies import LFU, LRU, Belady, Policy, ScoredPolicy, available_policies
 from kvevict.policies import base as policies_base
+from kvevict.policies.learned import LearnedReuse
 from kvevict.policies.registry import (
     POLICIES,
     build_policy,
+    check_spec,
     is_offline,
     make_policy,
     online_first,
+    parse_spec,
     register_policy,
+    split_specs,
 )
 from kvevict.registry import Registry
 from kvevict.replay import replay, replay_table
-from kvevict.sim import simulate
+from kvevict.sim import TierConfig, simulate
 from kvevict.tokens import TOKEN_POLICIES, StreamingLLM, TokenPolicy, make_token_policy
 from kvevict.workloads import generate
 
@@ -151,6 +156,86 @@ def test_build_policy_unknown_name_and_bad_params():
     with pytest.raises(ConfigError, match=r"^policy 'lfu' has no parameter\(s\) halflife; it "
                                           r"accepts: half_life$"):
         build_policy("lfu", {"halflife": 3})
+
+
+def test_a_name_may_carry_the_policys_parameters():
+    """``NAME(KEY=VALUE, ...)``: JSON values (and Python's literals), else the bare string;
+    built the same as the name with those parameters, by `build_policy` and `make_policy`."""
+    assert parse_spec("lru") == ("lru", {})
+    assert parse_spec(" learned( gaps=empirical , ghost=true ) ") == (
+        "learned", {"gaps": "empirical", "ghost": True})
+    assert parse_spec('market(horizon_s=30.5, n=2, a=null, b=False, c="x y", d=None)') == (
+        "market", {"horizon_s": 30.5, "n": 2, "a": None, "b": False, "c": "x y", "d": None})
+    assert parse_spec("lfu()") == ("lfu", {})
+    assert split_specs("lru, learned(gaps=empirical, ghost=true),,lfu(half_life=7)") == [
+        "lru", "learned(gaps=empirical, ghost=true)", "lfu(half_life=7)"]
+    for build in (build_policy, lambda spec: make_policy(spec)):
+        learned = build("learned(gaps=empirical, ghost=true, memory=300)")
+        assert type(learned) is LearnedReuse
+        assert (learned.gaps, learned.ghost, learned.memory) == ("empirical", True, 300.0)
+        lfu = build("lfu(half_life=7)")
+        assert type(lfu) is LFU and lfu.half_life == 7.0
+    lfu = build_policy("lfu(half_life=7)", {}, requests=REQS, block_size=BS)
+    assert lfu.half_life == 7.0
+    oracle = build_policy("horizon-oracle(horizon=3)", requests=REQS, block_size=BS)
+    assert oracle.horizon == 3.0 and is_offline("horizon-oracle(horizon=3)")
+    assert not is_offline("lfu(half_life=7)") and not is_offline("lfu(half_life=")
+    assert check_spec("lfu(half_life=7)") == ("lfu", {"half_life": 7})
+
+
+def test_a_name_with_bad_parameters_is_refused_naming_them():
+    form = r"expected NAME\(KEY=VALUE, \.\.\.\), e\.g\. learned\(gaps=empirical, ghost=true\)$"
+    for text in ("lfu(", "lfu(half_life=7", "(half_life=7)", "lfu(half_life=7)x",
+                 "lfu(a=(1))"):
+        with pytest.raises(ConfigError, match=rf"^policy '{re.escape(text)}' is not a name with "
+                                              rf"parameters: {form}"):
+            parse_spec(text)
+    for text, item in (("lfu(half_life)", "half_life"), ("lfu(=7)", "=7"),
+                       ("lfu(half_life=)", "half_life="), ("lfu(half-life=7)", "half-life=7")):
+        with pytest.raises(ConfigError, match=rf"^policy '{re.escape(text)}': '{item}' is not "
+                                              rf"KEY=VALUE; {form}"):
+            parse_spec(text)
+    with pytest.raises(ConfigError, match=r"^policy 'lfu\(half_life=1, half_life=2\)' gives "
+                                          r"half_life twice$"):
+        parse_spec("lfu(half_life=1, half_life=2)")
+    with pytest.raises(ConfigError, match=r"^policy 'lfu\(half_life=1\)': half_life given both "
+                                          r"in the name and as a parameter; give each once$"):
+        build_policy("lfu(half_life=1)", {"half_life": 2})
+    with pytest.raises(ConfigError, match=r"^policy 'lfu' has no parameter\(s\) halflife; it "
+                                          r"accepts: half_life$"):
+        build_policy("lfu(halflife=3)")
+    with pytest.raises(ConfigError, match=r"^policy 'lfu' has no parameter\(s\) halflife"):
+        check_spec("lfu(halflife=3)")
+    with pytest.raises(ConfigError, match=r"^unknown policy 'nope'; valid names: "):
+        check_spec("nope(a=1)")
+    with pytest.raises(ConfigError, match=r"^unbalanced parentheses in the policy list "
+                                          r"'lru,lfu\(half_life=7'$"):
+        split_specs("lru,lfu(half_life=7")
+    with pytest.raises(ConfigError, match=r"^unbalanced parentheses in the policy list "
+                                          r"'lru\),lfu\('$"):
+        split_specs("lru),lfu(")
+
+
+def test_a_policy_named_with_parameters_gets_what_its_name_gets_from_the_run():
+    """The simulator prices a value-aware policy with the box's cost model, a tier stack with
+    its reload-aware one, and the engine gives it its defaults: the same for
+    ``learned(ghost=true)`` as for ``learned`` given ``ghost=True``."""
+    reqs = generate("chat", seed=0, duration=900)
+    cost = CostModel(attn_s_per_pair=1e-6)
+
+    def cached(policy, **kwargs):
+        run = simulate(reqs, policy, capacity_blocks=400, block_size=16, cost=cost, **kwargs)
+        return [(r.request_id, r.cached_tokens) for r in run.records]
+
+    named = cached("learned(ghost=true)")
+    assert named == cached("learned", policy_params={"ghost": True})
+    # the box's cost model reached it: another one chooses other victims
+    assert named != cached("learned(ghost=true)", policy_params={"cost_model": CostModel()})
+    tiers = TierConfig(host_blocks=200)
+    assert cached("market(learn=false)", tiers=tiers) == cached(
+        "market", policy_params={"learn": False}, tiers=tiers)
+    assert default_policy_params("learned(ghost=true)", cost, 16) == default_policy_params(
+        "learned", cost, 16) == {"cost_model": cost, "block_size": 16}
 
 
 def test_build_policy_gives_an_offline_policy_the_future_on_the_time_axis():

@@ -440,12 +440,19 @@ def test_env_parsing(g):
                                  "KVEVICT_VLLM_METRICS_EVERY": "2.5"})
     assert (config.policy, dict(config.params), config.metrics_path, config.metrics_every) \
         == ("lfu", {"half_life": 30}, "/tmp/m-{pid}.json", 2.5)
+    # parameters in the name (`parse_spec`), as `kvevict replay --policies` takes them
+    config = GPUConfig.from_env({"KVEVICT_VLLM_POLICY": "lfu(half_life=30)"})
+    assert (config.policy, dict(config.params)) == ("lfu(half_life=30)", {})
     bad = [
         ({"KVEVICT_VLLM_POLICY_PARAMS": "{half_life: 30}"}, "must be a JSON object such as"),
         ({"KVEVICT_VLLM_POLICY_PARAMS": "[30]"}, "JSON object of parameter names.*list"),
         ({"KVEVICT_VLLM_POLICY_PARAMS": '{"halflife": 30}'}, "halflife"),
         ({"KVEVICT_VLLM_POLICY": "nosuch"}, "nosuch"),
         ({"KVEVICT_VLLM_POLICY": "belady"}, "offline"),
+        ({"KVEVICT_VLLM_POLICY": "horizon-oracle(horizon=5)"}, "offline"),
+        ({"KVEVICT_VLLM_POLICY": "lfu(halflife=30)"}, "halflife"),
+        ({"KVEVICT_VLLM_POLICY": "lfu(half_life=30)", "KVEVICT_VLLM_POLICY_PARAMS":
+          '{"half_life": 30}'}, "half_life given both in the name and as a parameter"),
         ({"KVEVICT_VLLM_METRICS_EVERY": "soon"}, "must be a number of seconds, got 'soon'"),
         ({"KVEVICT_VLLM_METRICS_EVERY": "0"}, "positive number of seconds"),
     ]
@@ -592,6 +599,34 @@ def test_replay_table_and_cli(g, tmp_path, capsys):
         assert main(["replay", "--engine", "vllm", "--trace", str(trace), "--sizes", "10",
                      *argv]) == 2
         assert message in capsys.readouterr().err
+
+
+@vllm_only
+def test_a_policy_named_with_parameters_runs_with_them(g, tmp_path, capsys):
+    """``lfu(half_life=7)`` (`parse_spec`) builds the plugin's policy with those parameters,
+    in the manager and in ``kvevict replay --engine vllm``, where the text is the row."""
+    from kvevict.cli import main
+    from kvevict.workloads.mooncake import bundled_trace_path, read_mooncake, write_mooncake
+
+    _, tier = g.replay.make_gpu_manager("lfu(half_life=7)", 8, block_size=16)
+    assert type(tier.policy).__name__ == "LFU" and tier.policy.half_life == 7.0
+    with pytest.raises(ConfigError, match="half_life given both in the name and as a "
+                                          "parameter"):
+        g.replay.make_gpu_manager("lfu(half_life=7)", 8, block_size=16,
+                                  params={"half_life": 7})
+    trace = tmp_path / "t.jsonl"
+    write_mooncake(read_mooncake(bundled_trace_path("mooncake"))[:300], trace)
+    policies = ["lfu", "lfu(half_life=0.5)"]
+    assert main(["replay", "--engine", "vllm", "--trace", str(trace), "--sizes", "200",
+                 "--policies", ",".join(policies), "--quiet", "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    saved = json.loads((tmp_path / "results.json").read_text())
+    table = g.replay.replay_gpu_table(read_mooncake(trace), policies, [200], 512)
+    assert [r["policy"] for r in saved["results"]] == policies
+    assert [r["hits"] for r in saved["results"]] == [r.hits for r in table.results]
+    assert main(["replay", "--engine", "vllm", "--trace", str(trace), "--sizes", "10",
+                 "--policies", "lfu(halflife=7)"]) == 2
+    assert "policy 'lfu' has no parameter(s) halflife" in capsys.readouterr().err
 
 
 # -- the engine: LLM() on a tiny random Llama --------------------------------------------------

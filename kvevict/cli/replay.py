@@ -38,11 +38,11 @@ from typing import Any
 from kvevict.cli.common import (
     FORMATS,
     Progress,
-    csv_list,
     float_list,
     import_policy_modules,
     int_list,
     parse_policies,
+    policy_list,
     policy_module_arg,
     policy_module_files,
     recorded_command,
@@ -165,9 +165,9 @@ def _host_tier(args: argparse.Namespace) -> Any:
     from kvevict.tiers import Tier, TierStack, tier_profile
 
     profile = tier_profile(args.host_profile)
-    from kvevict.policies.registry import POLICIES
+    from kvevict.policies.registry import check_spec
 
-    POLICIES.get(args.host_policy)  # an unknown name fails before the trace is read
+    check_spec(args.host_policy)  # an unknown name or parameter fails before the trace is read
 
     def factory() -> TierStack:
         return TierStack([Tier(blocks, profile, policy=args.host_policy, name="host")])
@@ -202,7 +202,7 @@ def _policies(args: argparse.Namespace) -> list[str]:
     from kvevict.policies.registry import check_distinct, load_entry_point_policies
 
     if args.policies is not None:
-        names = csv_list(args.policies)
+        names = policy_list(args.policies)
         check_distinct(names, "--policies")
         named = [n for n in names if n != INFINITE]
         if named:
@@ -241,21 +241,24 @@ def _offload_policies(args: argparse.Namespace, vllm_policies: tuple[str, ...],
                       engine: str = "vllm-offload") -> list[str]:
     """``--policies`` for a vLLM ``engine``: vLLM's own names or online kvevict ones
     (default: vLLM's, then every registered online kvevict policy)."""
-    from kvevict.cli.common import csv_list
     from kvevict.policies import available_policies
-    from kvevict.policies.registry import is_offline, load_entry_point_policies
+    from kvevict.policies.registry import check_spec, is_offline, load_entry_point_policies
 
     load_entry_point_policies()
     import_policy_modules(args.policy_module)
     online = [p for p in available_policies() if not is_offline(p)]
     if args.policies is None:
         return list(vllm_policies) + online
-    names = csv_list(args.policies)
-    offline = [p for p in names if p in available_policies() and is_offline(p)]
+    names = policy_list(args.policies)
+    offline = [p for p in names if is_offline(p)]
     if offline:
         raise ConfigError(f"--engine {engine} takes online policies; {offline[0]} is "
                           "offline (it needs the future)")
-    unknown = [p for p in names if p not in online and p not in vllm_policies]
+    for p in names:
+        if "(" in p:
+            check_spec(p)  # an unknown name or parameter, named
+    unknown = [p for p in names
+               if "(" not in p and p not in online and p not in vllm_policies]
     if unknown or not names:
         raise ConfigError(f"unknown policy {', '.join(unknown) or '(none given)'}; valid "
                           f"names with --engine {engine}: "
@@ -381,7 +384,7 @@ def _saved_command(args: argparse.Namespace) -> int:
         # or a policy another process registered (--policy-module)
         from kvevict.policies.registry import check_distinct
 
-        policies = csv_list(args.policies)
+        policies = policy_list(args.policies)
         if not policies:
             raise ConfigError(f"--policies names no row (rows: {', '.join(table.policies)})")
         check_distinct(policies, "--policies")

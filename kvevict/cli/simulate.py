@@ -565,7 +565,7 @@ def _tiers(args: argparse.Namespace, capacity: int, layout: KVLayout, block_size
            cost: Any) -> tuple[Any, str | None]:
     """The `kvevict.sim.TierConfig` the tier flags ask for and a line describing it, or
     ``(None, None)`` without tiers."""
-    from kvevict.policies.registry import POLICIES, is_offline
+    from kvevict.policies.registry import POLICIES, check_spec, is_offline, spec_name
     from kvevict.sim import TierConfig, host_link_profile
     from kvevict.tiers import TIER_PROFILES
 
@@ -574,9 +574,10 @@ def _tiers(args: argparse.Namespace, capacity: int, layout: KVLayout, block_size
     if not host:
         return None, None
     if args.tier_policy is not None:
-        if args.tier_policy not in POLICIES:
+        if spec_name(args.tier_policy) not in POLICIES:
             raise ConfigError(f"unknown policy {args.tier_policy!r} for --tier-policy; valid "
                               f"policies: {', '.join(POLICIES.names())}")
+        check_spec(args.tier_policy)  # a parameter it does not take
         if is_offline(args.tier_policy):
             raise ConfigError(f"--tier-policy {args.tier_policy} is offline (it needs the "
                               "future); a tier runs an online policy")

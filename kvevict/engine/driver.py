@@ -43,7 +43,13 @@ from kvevict.errors import ConfigError
 from kvevict.hashing import block_hashes
 from kvevict.manager import KVCacheManager
 from kvevict.policies.base import Policy
-from kvevict.policies.registry import POLICIES, build_policy, is_offline
+from kvevict.policies.registry import (
+    POLICIES,
+    build_policy,
+    is_offline,
+    spec_name,
+    with_spec_params,
+)
 from kvevict.pool import BlockPool
 from kvevict.run import (
     RequestRecord,
@@ -106,7 +112,7 @@ def default_policy_params(policy: str, cost: CostModel | None,
     none: it is built from the requests."""
     if is_offline(policy):
         return {}
-    accepted = POLICIES.parameters(policy)
+    accepted = POLICIES.parameters(spec_name(policy))
     params: dict[str, Any] = {}
     if cost is not None and "cost_model" in accepted:
         params["cost_model"] = cost
@@ -137,9 +143,11 @@ def _policy(policy: str | Policy, ordered: list[Request], block_size: int,
     an offline one the future of ``ordered`` on the arrival axis. Over ``tiers`` a policy
     that takes a cost model gets `tier_priced_cost` (unless ``params`` set one)."""
     if isinstance(policy, str):
+        # parameters in the name (`parse_spec`) are the caller's: they override the defaults
+        policy, params = with_spec_params(policy, params)
         defaults = default_policy_params(policy, cost, block_size)
         if tiers is not None and not is_offline(policy) and \
-                "cost_model" in POLICIES.parameters(policy):
+                "cost_model" in POLICIES.parameters(spec_name(policy)):
             defaults["cost_model"] = tier_priced_cost(tiers, cost, time_scale, bytes_per_block)
         params = {**defaults, **(params or {})}
     return build_policy(policy, params, requests=ordered, block_size=block_size,

@@ -12,6 +12,14 @@ own as a further keyword (``horizon`` for the horizon oracle). `build_policy` ca
 so the simulator, the replay and the engine build every policy the same way; reports use
 `is_offline` to label the oracle and never choose it.
 
+**Parameters in a name.** Wherever a policy is named by text (``kvevict replay --policies``,
+``kvevict simulate --policies``, ``KVEVICT_VLLM_POLICY``, `build_policy`, `make_policy`), the
+text may carry parameters: ``learned(gaps=empirical, ghost=true)`` is ``learned`` built with
+``gaps="empirical"`` and ``ghost=True`` (`parse_spec`). Each value is read as JSON when it is
+JSON (numbers, ``true``/``false``/``null``, quoted strings), else as the bare string; the
+whole text is the row's label in a report. So a variant is compared with one command, and
+without a module that registers it.
+
 **Policies from elsewhere.** `load_policy_modules` imports modules that register policies
 (the commands' ``--policy-module``), and `load_entry_point_policies` loads, once, the entry
 points of the group ``kvevict.policies`` that installed packages declare: each names a
@@ -26,6 +34,7 @@ point's name unless it is registered already)::
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -38,8 +47,9 @@ from kvevict.registry import Registry
 from kvevict.types import Request
 
 __all__ = ["ENTRY_POINT_GROUP", "POLICIES", "PolicySpec", "available_policies", "build_policy",
-           "check_distinct", "hook_parameters", "is_offline", "load_entry_point_policies",
-           "load_policy_modules", "make_policy", "online_first", "register_policy"]
+           "check_distinct", "check_spec", "hook_parameters", "is_offline",
+           "load_entry_point_policies", "load_policy_modules", "make_policy", "online_first",
+           "parse_spec", "register_policy", "spec_name", "split_specs", "with_spec_params"]
 
 #: The registry of residency policies.
 POLICIES: Registry[Policy] = Registry("policy", Policy)
@@ -179,13 +189,128 @@ def make_policy(name: str | Policy, **params: Any) -> Policy:
         if params:
             raise ConfigError("parameters were given together with a policy instance")
         return name
+    if isinstance(name, str) and "(" in name:
+        name, params = with_spec_params(name, params)
     return POLICIES.make(name, **params)
 
 
+_LITERALS = {"True": True, "False": False, "None": None}
+
+
+def parse_spec(text: str) -> tuple[str, dict[str, Any]]:
+    """``(name, params)`` of a policy named by text: ``"lru"`` is ``("lru", {})``, and
+    ``"learned(gaps=empirical, ghost=true)"`` is ``("learned", {"gaps": "empirical",
+    "ghost": True})``. A value is JSON where it parses as JSON (``60``, ``0.5``, ``true``,
+    ``null``, ``"a b"``; Python's ``True``, ``False`` and ``None`` too), else the bare
+    string. Only the syntax is checked here: the name and the parameters are checked by
+    `check_spec`, and when the policy is built.
+
+    Raises:
+        ConfigError: text that is not ``NAME`` or ``NAME(KEY=VALUE, ...)``, naming it.
+    """
+    if not isinstance(text, str):
+        raise ConfigError(f"a policy name must be a string, got {type(text).__name__}")
+    text = text.strip()
+    if "(" not in text and ")" not in text:
+        return text, {}
+    form = "NAME(KEY=VALUE, ...), e.g. learned(gaps=empirical, ghost=true)"
+    name, _, rest = text.partition("(")
+    name = name.strip()
+    if not name or not rest.endswith(")") or "(" in rest or ")" in rest[:-1]:
+        raise ConfigError(f"policy {text!r} is not a name with parameters: expected {form}")
+    params: dict[str, Any] = {}
+    body = rest[:-1].strip()
+    for item in body.split(",") if body else []:
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not key.isidentifier() or not value:
+            raise ConfigError(f"policy {text!r}: {item.strip()!r} is not KEY=VALUE; "
+                              f"expected {form}")
+        if key in params:
+            raise ConfigError(f"policy {text!r} gives {key} twice")
+        if value in _LITERALS:
+            params[key] = _LITERALS[value]
+            continue
+        try:
+            params[key] = json.loads(value)
+        except ValueError:
+            params[key] = value
+    return name, params
+
+
+def with_spec_params(spec: str, params: Mapping[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """``(name, params)`` of ``spec`` (`parse_spec`) with ``params`` added.
+
+    Raises:
+        ConfigError: bad syntax, or a parameter given both in ``spec`` and in ``params``.
+    """
+    name, given = parse_spec(spec)
+    if params:
+        both = [k for k in params if k in given]
+        if both:
+            raise ConfigError(f"policy {spec!r}: {', '.join(both)} given both in the name and "
+                              "as a parameter; give each once")
+        given.update(params)
+    return name, given
+
+
+def check_spec(spec: str, params: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """``(name, params)`` of a policy named by text (`with_spec_params`), once the name is
+    known to be registered and the parameters to be its own: what a command checks before
+    it reads a trace.
+
+    Raises:
+        ConfigError: bad syntax, an unknown name (listing the valid ones), or a parameter
+            the policy does not take (listing the ones it takes).
+    """
+    name, given = with_spec_params(spec, params)
+    POLICIES.check_parameters(name, given)
+    return name, given
+
+
+def spec_name(policy: Any) -> Any:
+    """The registered name of a policy named with parameters (``"lfu"`` for
+    ``"lfu(half_life=7)"``), for a lookup by name (what the policy takes, whether it is
+    offline); anything else, malformed text included, as it is (building it reports the
+    error)."""
+    if isinstance(policy, str) and "(" in policy:
+        try:
+            return parse_spec(policy)[0]
+        except ConfigError:
+            return policy
+    return policy
+
+
+def split_specs(text: str) -> list[str]:
+    """A comma-separated list of policies (``--policies``) split at the commas outside
+    parentheses, so ``"lru,learned(gaps=empirical, ghost=true)"`` is two; blanks dropped.
+
+    Raises:
+        ConfigError: unbalanced parentheses, naming the list.
+    """
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth < 0:
+                break
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ConfigError(f"unbalanced parentheses in the policy list {text!r}")
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
 def is_offline(policy: str | type | Policy) -> bool:
-    """Whether ``policy`` (a registered name, a policy class or an instance) is offline, i.e.
-    needs the future. A name that is not registered (a report's label) is not."""
+    """Whether ``policy`` (a registered name, with parameters or not, a policy class or an
+    instance) is offline, i.e. needs the future. A name that is not registered (a report's
+    label) is not."""
     if isinstance(policy, str):
+        policy = spec_name(policy)
         if policy not in POLICIES:
             return False
         policy = POLICIES.get(policy)
@@ -218,7 +343,8 @@ def build_policy(spec: PolicySpec, params: Mapping[str, Any] | None = None, *,
     with this function's (the market policy takes a ``block_size`` too).
 
     Args:
-        spec: a registered name, a `Policy` instance (returned as is) or a zero-argument
+        spec: a registered name (parameters may be in it: `parse_spec`; not also in
+            ``params``), a `Policy` instance (returned as is) or a zero-argument
             factory returning a fresh `Policy`.
         params: parameters of a policy given by name. An offline policy given parameters
             that its ``from_requests`` takes as keywords of its own (the horizon oracle's
@@ -250,6 +376,8 @@ def build_policy(spec: PolicySpec, params: Mapping[str, Any] | None = None, *,
         if not isinstance(built, Policy):
             raise ConfigError(f"a policy factory returned {type(built).__name__}, not a Policy")
         return built
+    if "(" in spec:
+        spec, params = with_spec_params(spec, params)
     cls = POLICIES.get(spec)
     if not is_offline(cls):
         return POLICIES.make(spec, **params)

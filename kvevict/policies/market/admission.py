@@ -155,9 +155,9 @@ def quotes_prices(policy: str) -> bool:
     """Whether the policy registered as ``policy`` is a `Market` (or a subclass), the only
     policies that quote the prices `MarketAdmission` compares (an unknown name is a
     `ConfigError` listing the valid ones)."""
-    from kvevict.policies.registry import POLICIES
+    from kvevict.policies.registry import POLICIES, spec_name
 
-    return issubclass(POLICIES.get(policy), Market)
+    return issubclass(POLICIES.get(spec_name(policy)), Market)
 
 
 def admission_for(admission: str, policy: str) -> tuple[str | Market, Admission | None]:
