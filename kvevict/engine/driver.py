@@ -147,7 +147,7 @@ def _policy(policy: str | Policy, ordered: list[Request], block_size: int,
         policy, params = with_spec_params(policy, params)
         defaults = default_policy_params(policy, cost, block_size)
         if tiers is not None and not is_offline(policy) and \
-                "cost_model" in POLICIES.parameters(spec_name(policy)):
+                "cost_model" in POLICIES.parameters(policy):
             defaults["cost_model"] = tier_priced_cost(tiers, cost, time_scale, bytes_per_block)
         params = {**defaults, **(params or {})}
     return build_policy(policy, params, requests=ordered, block_size=block_size,
