@@ -822,12 +822,21 @@ def _size_spread(m: int, step: float) -> float:
     return 2.0 ** ((m - 1) / 2 * step) - 1.0
 
 
+def _ratio_band(intervals: Sequence[Interval]) -> tuple[list[float], list[float]]:
+    """The band of a ratio's intervals, cut to its range [0, 1]: a t-interval over a few
+    seeds can reach past it (0.43 ± 0.80 over two), and a ratio outside it is not possible
+    (the cut interval still holds the true mean whenever the whole one does)."""
+    return ([min(max(iv.low, 0.0), 1.0) for iv in intervals],
+            [min(max(iv.high, 0.0), 1.0) for iv in intervals])
+
+
 def hit_ratio_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
                      metric: str = "token_hit_ratio",
                      exact: Mapping[int, float | Interval] | None = None,
                      confidence: float = 0.95) -> Any:
     """``metric`` (token hit ratio) against cache size, one line per policy with its 95% CI
-    as a band (no band with one seed); the infinite cache as a grey dotted line.
+    as a band, cut to the ratio's range [0, 1] (`_ratio_band`; no band with one seed); the
+    infinite cache as a grey dotted line.
 
     ``cells`` are cells or `kvevict.stats.aggregate` rows. ``exact``: the exact untimed
     replay's Belady by cache size (`kvevict.replay`), drawn black dashed with filled stars as
@@ -844,6 +853,7 @@ def hit_ratio_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
     m = len(pols)
     sizes = sorted({r["capacity_blocks"] for r in rows} | set(exact or {}))
     one_seed = all(r["seeds"] == 1 for r in rows)
+    cut = False  # a band cut to the ratio's range [0, 1]
     for i, p in enumerate(pols):
         pts = sorted((r["capacity_blocks"], r[metric]) for r in rows
                      if r["policy"] == p and isinstance(r.get(metric), Interval))
@@ -857,17 +867,20 @@ def hit_ratio_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
                 linewidth=1.4, zorder=3 + i,
                 markerfacecolor="none" if is_offline(p) else style["color"])
         if all(iv.known for _, iv in pts):
-            ax.fill_between(xs, [iv.low for _, iv in pts], [iv.high for _, iv in pts],
-                            color=style["color"], alpha=min(0.15, max(0.04, 0.3 / m)), linewidth=0,
-                            zorder=2)
+            lows, highs = _ratio_band([iv for _, iv in pts])
+            cut = cut or lows != [iv.low for _, iv in pts] or highs != [iv.high for _, iv in pts]
+            ax.fill_between(xs, lows, highs, color=style["color"],
+                            alpha=min(0.15, max(0.04, 0.3 / m)), linewidth=0, zorder=2)
     if exact:
         ex = sorted(exact.items())
         ax.plot([c for c, _ in ex], [_mean(v) for _, v in ex], color="black", linestyle="--",
                 marker="*", markersize=7, linewidth=1.2, label="belady (exact replay)",
                 zorder=3 + m)
         if all(isinstance(v, Interval) and v.known for _, v in ex):
-            ax.fill_between([c for c, _ in ex], [v.low for _, v in ex],
-                            [v.high for _, v in ex], color="black", alpha=0.1, linewidth=0)
+            lows, highs = _ratio_band([v for _, v in ex])
+            cut = cut or lows != [v.low for _, v in ex] or highs != [v.high for _, v in ex]
+            ax.fill_between([c for c, _ in ex], lows, highs, color="black", alpha=0.1,
+                            linewidth=0)
     inf = [r["infinite_cache_hit_ratio"].mean for r in rows
            if isinstance(r.get("infinite_cache_hit_ratio"), Interval)]
     if inf:
@@ -879,7 +892,7 @@ def hit_ratio_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
         notes.append(f"x shifted ≤ ±{spread:.0%} per policy\nso coinciding lines stay visible")
     notes.append("1 seed: no interval" if one_seed else
                  f"bands: {confidence:.0%} CI over seeds, each\npolicy alone (the decision "
-                 "pairs seeds)")
+                 "pairs seeds)" + ("\nwithin [0, 1], a ratio's range" if cut else ""))
     _decorate(fig, ax, title, "cache size (blocks, log scale)", _metric_text(metric)[0],
               "\n".join(notes))
     return fig

@@ -401,6 +401,23 @@ def test_hit_ratio_figure_styles_offsets_bands_and_ticks():
     assert "shifted ≤ ±2% per policy" in ax.get_legend().get_title().get_text()
 
 
+def test_hit_ratio_figure_cuts_a_band_to_the_ratios_range():
+    """Two seeds far apart: the t-interval reaches below 0 and above 1, the band stops at
+    both, and the legend says so; a band inside [0, 1] is drawn as it is, without the note."""
+    pytest.importorskip("matplotlib")
+    cells = [cell("lru", seed, 1.0, cap=cap, token_hit_ratio=ratio)
+             for cap, ratios in ((1000, (0.02, 0.3)), (2000, (0.7, 0.98)))
+             for seed, ratio in enumerate(ratios)]
+    iv = interval([0.02, 0.3])
+    assert iv.low < 0 and interval([0.7, 0.98]).high > 1  # t on one degree of freedom
+    ax = report.hit_ratio_figure(cells, "t").axes[0]
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]
+    assert band.min() == 0.0 and band.max() == 1.0
+    assert "within [0, 1], a ratio's range" in ax.get_legend().get_title().get_text()
+    ax = report.hit_ratio_figure(_sweep(), "t").axes[0]
+    assert "within [0, 1]" not in ax.get_legend().get_title().get_text()
+
+
 def test_hit_ratio_figure_with_one_seed_draws_no_band():
     pytest.importorskip("matplotlib")
     ax = report.hit_ratio_figure(_sweep(seeds=(0,)), "t").axes[0]
