@@ -822,12 +822,14 @@ def _size_spread(m: int, step: float) -> float:
     return 2.0 ** ((m - 1) / 2 * step) - 1.0
 
 
-def _ratio_band(intervals: Sequence[Interval]) -> tuple[list[float], list[float]]:
-    """The band of a ratio's intervals, cut to its range [0, 1]: a t-interval over a few
-    seeds can reach past it (0.43 ± 0.80 over two), and a ratio outside it is not possible
-    (the cut interval still holds the true mean whenever the whole one does)."""
+def _ratio_band(intervals: Sequence[Interval]) -> tuple[list[float], list[float], bool]:
+    """The band of a ratio's intervals cut to its range [0, 1], and whether any was cut: a
+    t-interval over a few seeds can reach past it (0.43 ± 0.80 over two), and a ratio
+    outside it is not possible (the cut interval still holds the true mean whenever the
+    whole one does)."""
     return ([min(max(iv.low, 0.0), 1.0) for iv in intervals],
-            [min(max(iv.high, 0.0), 1.0) for iv in intervals])
+            [min(max(iv.high, 0.0), 1.0) for iv in intervals],
+            any(iv.low < 0.0 or iv.high > 1.0 for iv in intervals))
 
 
 def hit_ratio_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
@@ -867,8 +869,8 @@ def hit_ratio_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
                 linewidth=1.4, zorder=3 + i,
                 markerfacecolor="none" if is_offline(p) else style["color"])
         if all(iv.known for _, iv in pts):
-            lows, highs = _ratio_band([iv for _, iv in pts])
-            cut = cut or lows != [iv.low for _, iv in pts] or highs != [iv.high for _, iv in pts]
+            lows, highs, cut_here = _ratio_band([iv for _, iv in pts])
+            cut = cut or cut_here
             ax.fill_between(xs, lows, highs, color=style["color"],
                             alpha=min(0.15, max(0.04, 0.3 / m)), linewidth=0, zorder=2)
     if exact:
@@ -877,8 +879,8 @@ def hit_ratio_figure(cells: Sequence[Mapping[str, Any]], title: str, *,
                 marker="*", markersize=7, linewidth=1.2, label="belady (exact replay)",
                 zorder=3 + m)
         if all(isinstance(v, Interval) and v.known for _, v in ex):
-            lows, highs = _ratio_band([v for _, v in ex])
-            cut = cut or lows != [v.low for _, v in ex] or highs != [v.high for _, v in ex]
+            lows, highs, cut_here = _ratio_band([v for _, v in ex])
+            cut = cut or cut_here
             ax.fill_between([c for c, _ in ex], lows, highs, color="black", alpha=0.1,
                             linewidth=0)
     inf = [r["infinite_cache_hit_ratio"].mean for r in rows

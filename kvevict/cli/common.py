@@ -17,7 +17,7 @@ from typing import Any
 from kvevict.errors import ConfigError
 
 __all__ = ["FORMATS", "GIB", "Progress", "check_flags", "csv_list", "float_list",
-           "generator_args", "import_policy_modules", "int_list", "parse_policies", "policy_list",
+           "generator_args", "import_policy_modules", "int_list", "parse_policies",
            "policy_module_arg", "policy_module_files", "recorded_command", "sayer",
            "scheduler_args"]
 
@@ -29,26 +29,22 @@ def csv_list(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
-def policy_list(text: str) -> list[str]:
-    """A ``--policies`` list split at the commas outside parentheses, so a policy may carry
-    parameters: ``lru,learned(gaps=empirical, ghost=true)`` is two
-    (`kvevict.policies.registry.parse_spec`)."""
-    from kvevict.policies.registry import split_specs
-
-    return split_specs(text)
-
-
 def parse_policies(text: str, modules: list[str] | None = None) -> list[str]:
     """The ``--policies`` list, once the ``kvevict.policies`` entry points and the
     ``--policy-module`` modules are loaded; unknown names (or none) name the valid ones, a
     parameter the policy does not take names the ones it does, and a name given twice is an
     error naming it."""
     from kvevict.policies import available_policies
-    from kvevict.policies.registry import check_distinct, check_spec, load_entry_point_policies
+    from kvevict.policies.registry import (
+        check_distinct,
+        check_spec,
+        load_entry_point_policies,
+        split_specs,
+    )
 
     load_entry_point_policies()
     import_policy_modules(modules or [])
-    policies = policy_list(text)
+    policies = split_specs(text)  # commas inside a name's parameters do not split it
     valid = available_policies()
     unknown = [p for p in policies if "(" not in p and p not in valid]
     if unknown or not policies:

@@ -42,13 +42,13 @@ from kvevict.cli.common import (
     import_policy_modules,
     int_list,
     parse_policies,
-    policy_list,
     policy_module_arg,
     policy_module_files,
     recorded_command,
 )
 from kvevict.errors import ConfigError
 from kvevict.policies.oracles import DEFAULT_HORIZON
+from kvevict.policies.registry import split_specs
 from kvevict.replay import (
     INFINITE,
     METRICS,
@@ -202,7 +202,7 @@ def _policies(args: argparse.Namespace) -> list[str]:
     from kvevict.policies.registry import check_distinct, load_entry_point_policies
 
     if args.policies is not None:
-        names = policy_list(args.policies)
+        names = split_specs(args.policies)
         check_distinct(names, "--policies")
         named = [n for n in names if n != INFINITE]
         if named:
@@ -249,7 +249,7 @@ def _offload_policies(args: argparse.Namespace, vllm_policies: tuple[str, ...],
     online = [p for p in available_policies() if not is_offline(p)]
     if args.policies is None:
         return list(vllm_policies) + online
-    names = policy_list(args.policies)
+    names = split_specs(args.policies)
     offline = [p for p in names if is_offline(p)]
     if offline:
         raise ConfigError(f"--engine {engine} takes online policies; {offline[0]} is "
@@ -384,7 +384,7 @@ def _saved_command(args: argparse.Namespace) -> int:
         # or a policy another process registered (--policy-module)
         from kvevict.policies.registry import check_distinct
 
-        policies = policy_list(args.policies)
+        policies = split_specs(args.policies)
         if not policies:
             raise ConfigError(f"--policies names no row (rows: {', '.join(table.policies)})")
         check_distinct(policies, "--policies")
